@@ -1,0 +1,132 @@
+"""Run a function, or a pytest test body, on N spawned ranks over gloo (NCCL with enough CUDA devices).
+
+>>> results = run_distributed(my_module_level_fn, world_size=4, args=(3,))   # one result per rank
+
+A hang fails within ``timeout`` seconds with every rank's Python stack (:class:`RankTimeout`); the first
+failing rank's exception and traceback come back as :class:`RankFailure` naming that rank; stragglers are
+killed. Ranks are pooled per world size and reused across tests (set ``GRADSYNC_TEST_REUSE_RANKS=0`` to
+spawn fresh ranks for every call). Functions and arguments travel by pickle, so functions must be defined
+at module level.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..backend import default_backend
+from .pool import RankFailure, RankPool, RankTimeout, Rendezvous
+
+__all__ = [
+    "RankFailure",
+    "RankPool",
+    "RankTimeout",
+    "distributed_test",
+    "run_distributed",
+    "shutdown_pools",
+]
+
+DEFAULT_TIMEOUT_S = 120.0
+_pools: dict[tuple[int, str, str], RankPool] = {}
+
+
+def _reuse_ranks() -> bool:
+    return os.environ.get("GRADSYNC_TEST_REUSE_RANKS", "1") != "0"
+
+
+def shutdown_pools() -> None:
+    """Stop every pooled rank (also registered to run at exit)."""
+    while _pools:
+        _, pool = _pools.popitem()
+        pool.close(kill=not pool.alive)
+
+
+atexit.register(shutdown_pools)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    backend: str | None = None,
+    rendezvous: Rendezvous = "file",
+    reuse: bool | None = None,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks in one default process group.
+
+    Returns the per-rank results in rank order. ``reuse=False`` gives the call fresh ranks of its own,
+    which suits tests that are expected to fail (a failure kills the pool either way).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    backend = backend or default_backend(world_size)
+    reuse = _reuse_ranks() if reuse is None else reuse
+    key = (world_size, backend, rendezvous)
+    pool = _pools.pop(key, None) if reuse else None
+    if pool is None or not pool.alive:
+        pool = RankPool(world_size, backend, rendezvous=rendezvous, pg_timeout_s=timeout)
+    results = pool.run(fn, tuple(args), dict(kwargs or {}), timeout)  # raises after killing the pool
+    if reuse:
+        _pools[key] = pool
+    else:
+        pool.close()
+    return results
+
+
+@dataclass(frozen=True)
+class _TestBody:
+    """A picklable reference to a test body that ``distributed_test`` replaced in its module."""
+
+    module: str
+    qualname: str
+
+    def __call__(self) -> Any:
+        target: Any = importlib.import_module(self.module)
+        for part in self.qualname.split("."):
+            target = getattr(target, part)
+        return getattr(target, "__gradsync_body__", target)()
+
+
+F = TypeVar("F", bound=Callable[[], Any])
+
+
+def distributed_test(
+    world_sizes: Sequence[int] = (2,), *, timeout: float = DEFAULT_TIMEOUT_S
+) -> Callable[[F], Callable[[int], None]]:
+    """Turn a module-level, argument-free test body into a pytest test run on each world size.
+
+    The body runs on every rank with the default process group initialised, and reads its rank from
+    ``torch.distributed``. Example::
+
+        @distributed_test(world_sizes=[2, 4])
+        def test_all_reduce():
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == dist.get_world_size()
+    """
+    import pytest
+
+    def decorate(body: F) -> Callable[[int], None]:
+        ref = _TestBody(body.__module__, body.__qualname__)
+
+        def test(world_size: int) -> None:
+            run_distributed(ref, world_size, timeout=timeout)
+
+        test.__name__ = body.__name__
+        test.__qualname__ = body.__qualname__
+        test.__module__ = body.__module__
+        test.__doc__ = body.__doc__
+        test.__gradsync_body__ = body  # type: ignore[attr-defined]
+        parametrized: Callable[[int], None] = pytest.mark.parametrize(
+            "world_size", list(world_sizes)
+        )(test)
+        return parametrized
+
+    return decorate

@@ -1,0 +1,99 @@
+"""The body of one spawned rank: join the process group once, then run tasks until told to stop.
+
+Everything sent back is pickled here, explicitly, so an unpicklable result or exception becomes a readable
+error in the parent instead of a silent failure in a queue's feeder thread.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import signal
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.queues import Queue
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    world_size: int
+    backend: str
+    init_method: str
+    pg_timeout_s: float
+    stack_file: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A rank's answer to one task: pickled return value, or the failure with its traceback."""
+
+    rank: int
+    task_id: int
+    ok: bool
+    payload: bytes = b""
+    traceback: str = ""
+
+
+def _failure(rank: int, task_id: int, exc: BaseException) -> Outcome:
+    text = "".join(traceback.format_exception(exc))
+    try:
+        payload = pickle.dumps(exc)
+        pickle.loads(payload)
+    except Exception:
+        payload = b""
+    return Outcome(rank, task_id, ok=False, payload=payload, traceback=text)
+
+
+def _run_task(spec: WorkerSpec, task: bytes) -> Outcome:
+    task_id = -1
+    try:
+        task_id, fn, args, kwargs = pickle.loads(task)
+        result = fn(*args, **kwargs)
+        payload = pickle.dumps(result)
+    except BaseException as exc:
+        return _failure(spec.rank, task_id, exc)
+    # Align the ranks between tasks, so one test's stragglers never overlap the next test's collectives.
+    dist.barrier()
+    return Outcome(spec.rank, task_id, ok=True, payload=payload)
+
+
+def worker_main(spec: WorkerSpec, tasks: Queue[bytes | None], outcomes: Queue[Outcome]) -> None:
+    """Entry point of a spawned rank."""
+    stack_file = open(spec.stack_file, "w")  # noqa: SIM115 — must stay open for faulthandler
+    faulthandler.register(STACK_DUMP_SIGNAL, file=stack_file, all_threads=True)
+    os.environ["RANK"] = str(spec.rank)
+    os.environ["WORLD_SIZE"] = str(spec.world_size)
+    os.environ["LOCAL_RANK"] = str(spec.rank)
+    if spec.backend == "nccl":
+        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
+    try:
+        dist.init_process_group(
+            spec.backend,
+            init_method=spec.init_method,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=spec.pg_timeout_s),
+        )
+    except BaseException as exc:
+        outcomes.put(_failure(spec.rank, -1, exc))
+        return
+    outcomes.put(Outcome(spec.rank, -1, ok=True))
+    while (task := tasks.get()) is not None:
+        outcomes.put(_run_task(spec, task))
+    # A barrier before teardown avoids gloo's "terminate called without an active exception" at exit.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def describe_payload(outcome: Outcome) -> Any:
+    """The unpickled return value of a successful outcome."""
+    return pickle.loads(outcome.payload)
