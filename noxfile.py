@@ -142,7 +142,14 @@ def build(session: nox.Session) -> None:
         if installed_gradsync(session):
             session.error(f"venv not clean before installing {wheel.name}")
         session.run(
-            "python", "-m", "pip", "install", "--no-index", "--find-links", str(dist_dir), str(wheel)
+            "python",
+            "-m",
+            "pip",
+            "install",
+            "--no-index",
+            "--find-links",
+            str(dist_dir),
+            str(wheel),
         )
         session.run("python", "-c", f"import gradsync.{name} as m; print(m.__name__, m.__version__)")
         pulled = installed_gradsync(session) - {name}
@@ -152,9 +159,7 @@ def build(session: nox.Session) -> None:
         if above:
             session.error(f"gradsync-{name} pulled in layers at or above its own: {sorted(above)}")
         session.log(f"gradsync-{name} installs alone with {sorted(pulled) or 'no other layer'}")
-        session.run(
-            "python", "-m", "pip", "uninstall", "-y", *(f"gradsync-{p}" for p in pulled | {name})
-        )
+        session.run("python", "-m", "pip", "uninstall", "-y", *(f"gradsync-{p}" for p in pulled | {name}))
 
 
 def installed_gradsync(session: nox.Session) -> set[str]:

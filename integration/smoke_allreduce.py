@@ -1,6 +1,6 @@
 """2-rank smoke job for torchrun: build the process groups, all-reduce over each, tear down.
 
-    torchrun --standalone --nproc-per-node=2 integration/smoke_allreduce.py
+torchrun --standalone --nproc-per-node=2 integration/smoke_allreduce.py
 """
 
 from __future__ import annotations

@@ -81,10 +81,9 @@ def build_process_groups(
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != layout.world_size:
         raise ValueError(
-            f"layout was computed for world_size {layout.world_size} but the default group has {world} "
-            "ranks"
+            f"layout was computed for world_size {layout.world_size} but the default group has {world} ranks"
         )
-    created: dict[str, dist.ProcessGroup | None] = {}
+    created: dict[str, dist.ProcessGroup | list[dist.ProcessGroup] | None] = {}
     for kind in _CREATION_ORDER:
         if kind not in layout.groups:
             continue

@@ -126,7 +126,9 @@ class FSDPDistributedIndex:
             names = tuple(d for d in dims if d is not None)
             self.mesh_library[(names, is_expert)] = mesh[names]
 
-    def get_submesh(self, mesh_dim_names: str | Sequence[str], is_expert_parallel: bool = False) -> DeviceMesh:
+    def get_submesh(
+        self, mesh_dim_names: str | Sequence[str], is_expert_parallel: bool = False
+    ) -> DeviceMesh:
         """The registered sub-mesh over ``mesh_dim_names``."""
         names = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
         key = (names, is_expert_parallel)
@@ -188,9 +190,7 @@ def _dim_group(mesh: DeviceMesh, dim: str) -> dist.ProcessGroup:
     try:
         return mesh[dim].get_group()
     except (KeyError, RuntimeError, ValueError) as err:
-        raise ValueError(
-            f"device mesh {mesh.mesh_dim_names} has no dimension {dim!r}: {err}"
-        ) from err
+        raise ValueError(f"device mesh {mesh.mesh_dim_names} has no dimension {dim!r}: {err}") from err
 
 
 def _require(group: dist.ProcessGroup | None, what: str, is_expert: bool) -> dist.ProcessGroup:
@@ -198,4 +198,3 @@ def _require(group: dist.ProcessGroup | None, what: str, is_expert: bool) -> dis
         kind = "expert " if is_expert else ""
         raise ValueError(f"No {kind}{what} group: pass expt_device_mesh (and its groups) for experts")
     return group
-

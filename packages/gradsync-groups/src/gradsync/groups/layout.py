@@ -42,6 +42,10 @@ def _mixed_radix(index: int, shape: Sequence[int]) -> list[int]:
     return digits
 
 
+def _dot(digits: Sequence[int], strides: Sequence[int]) -> int:
+    return sum(d * st for d, st in zip(digits, strides, strict=True))
+
+
 def generate_masked_orthogonal_rank_groups(
     world_size: int, parallel_size: Sequence[int], mask: Sequence[bool]
 ) -> list[list[int]]:
@@ -59,21 +63,15 @@ def generate_masked_orthogonal_rank_groups(
             f"world_size ({world_size}) != product of parallel sizes {list(parallel_size)}"
         )
     strides = _prefix_products(parallel_size)
-    masked = [(s, st) for s, st, m in zip(parallel_size, strides, mask, strict=True) if m]
-    unmasked = [(s, st) for s, st, m in zip(parallel_size, strides, mask, strict=True) if not m]
-    group_size = math.prod(s for s, _ in masked)
+    masked_shape = [s for s, m in zip(parallel_size, mask, strict=True) if m]
+    masked_strides = [st for st, m in zip(strides, mask, strict=True) if m]
+    unmasked_shape = [s for s, m in zip(parallel_size, mask, strict=True) if not m]
+    unmasked_strides = [st for st, m in zip(strides, mask, strict=True) if not m]
+    group_size = math.prod(masked_shape)
     groups = []
     for group_index in range(world_size // group_size):
-        base = sum(
-            d * st
-            for d, (_, st) in zip(_mixed_radix(group_index, [s for s, _ in unmasked]), unmasked)
-        )
-        groups.append(
-            [
-                base + sum(d * st for d, (_, st) in zip(_mixed_radix(r, [s for s, _ in masked]), masked))
-                for r in range(group_size)
-            ]
-        )
+        base = _dot(_mixed_radix(group_index, unmasked_shape), unmasked_strides)
+        groups.append([base + _dot(_mixed_radix(r, masked_shape), masked_strides) for r in range(group_size)])
     return groups
 
 
@@ -107,9 +105,7 @@ class RankGenerator:
     ``get_ranks("dp-cp")`` returns the groups spanned by the named axes; tokens may be given in any order.
     """
 
-    def __init__(
-        self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0
-    ) -> None:
+    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0) -> None:
         if ep != 1 and cp != 1:
             raise ParallelLayoutError(
                 f"Both EP ({ep}) and CP ({cp}) > 1 in one rank generator: CP only applies to the dense "
@@ -342,9 +338,7 @@ def compute_rank_layout(
 
     hcp: tuple[RankGroups, ...] = ()
     if hierarchical_context_parallel_sizes is not None:
-        per_group = [
-            hierarchical_rank_groups(g, hierarchical_context_parallel_sizes) for g in groups["cp"]
-        ]
+        per_group = [hierarchical_rank_groups(g, hierarchical_context_parallel_sizes) for g in groups["cp"]]
         hcp = tuple(
             _as_groups(level_group for levels in per_group for level_group in levels[k])
             for k in range(len(hierarchical_context_parallel_sizes))

@@ -27,7 +27,7 @@ class ModelParallelConfigProtocol(Protocol):
     moe_router_bias_update_rate: float
     moe_router_load_balancing_type: str | list[str]
     mtp_num_layers: int | None
-    barrier_with_L1_time: bool  # noqa: N815 — Megatron's field name
+    barrier_with_L1_time: bool  # Megatron's field name
     timers: Callable[..., Any] | None
 
 
@@ -59,7 +59,7 @@ class ModelParallelConfig:
     """MoE load-balancing kind(s)."""
     mtp_num_layers: int | None = None
     """Multi-token-prediction layers; when set the last stage also holds an embedding copy."""
-    barrier_with_L1_time: bool = True  # noqa: N815 — Megatron's field name
+    barrier_with_L1_time: bool = True  # Megatron's field name
     """Timers put a barrier before L1 timings."""
     timers: Callable[..., Any] | None = None
     """Megatron-style timers callable, or None to time nothing."""

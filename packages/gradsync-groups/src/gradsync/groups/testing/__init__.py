@@ -124,9 +124,7 @@ def distributed_test(
         test.__module__ = body.__module__
         test.__doc__ = body.__doc__
         test.__gradsync_body__ = body  # type: ignore[attr-defined]
-        parametrized: Callable[[int], None] = pytest.mark.parametrize(
-            "world_size", list(world_sizes)
-        )(test)
+        parametrized: Callable[[int], None] = pytest.mark.parametrize("world_size", list(world_sizes))(test)
         return parametrized
 
     return decorate

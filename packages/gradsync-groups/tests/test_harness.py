@@ -1,0 +1,98 @@
+"""The multi-rank harness itself: results, failures with their rank, hangs with stacks, pooling."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradsync.groups.testing import RankFailure, RankTimeout, distributed_test, run_distributed
+
+
+def rank_and_world(offset: int) -> tuple[int, int]:
+    return dist.get_rank() + offset, dist.get_world_size()
+
+
+def raise_on_rank_3() -> None:
+    if dist.get_rank() == 3:
+        raise ValueError("boom on rank 3")
+
+
+def hang_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+
+
+def die_on_rank_0() -> None:
+    if dist.get_rank() == 0:
+        os._exit(3)
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_results_come_back_in_rank_order(world_size: int) -> None:
+    results = run_distributed(rank_and_world, world_size, args=(100,))
+    assert results == [(100 + r, world_size) for r in range(world_size)]
+
+
+def test_exception_on_rank_3_of_4_is_reraised_with_rank_and_traceback() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_distributed(raise_on_rank_3, 4, reuse=False)
+    failure = info.value
+    assert failure.rank == 3
+    assert "rank 3 of 4 failed" in str(failure)
+    assert "raise_on_rank_3" in failure.traceback_text
+    assert isinstance(failure.exception, ValueError)
+    assert str(failure.exception) == "boom on rank 3"
+
+
+def test_a_hanging_rank_fails_within_the_timeout_with_every_stack() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        run_distributed(hang_on_rank_1, 2, timeout=3, reuse=False)
+    elapsed = time.monotonic() - start
+    assert elapsed < 30, elapsed
+    message = str(info.value)
+    assert "did not finish within 3.0s" in message
+    assert 1 in info.value.pending
+    assert "--- rank 0 ---" in message
+    assert "--- rank 1 ---" in message
+    assert "hang_on_rank_1" in message
+
+
+def test_a_rank_that_dies_is_reported() -> None:
+    with pytest.raises(RankFailure, match="rank 0 of 2 failed:\nthe process exited with code 3"):
+        run_distributed(die_on_rank_0, 2, reuse=False)
+
+
+def test_ranks_are_reused_until_a_failure() -> None:
+    first = run_distributed(pid, 2)
+    assert run_distributed(pid, 2) == first
+    with pytest.raises(RankFailure):
+        run_distributed(raise_on_rank_1_of_2, 2)
+    assert set(run_distributed(pid, 2)).isdisjoint(first)
+
+
+def raise_on_rank_1_of_2() -> None:
+    if dist.get_rank() == 1:
+        raise RuntimeError("expected")
+
+
+def test_tcp_rendezvous() -> None:
+    assert run_distributed(rank_and_world, 2, args=(0,), rendezvous="tcp", reuse=False) == [
+        (0, 2),
+        (1, 2),
+    ]
+
+
+@distributed_test(world_sizes=[2, 4])
+def test_decorated_body_runs_on_every_rank() -> None:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == dist.get_world_size()
