@@ -179,7 +179,7 @@ def integration(session: nox.Session) -> None:
 @nox.session
 def train(session: nox.Session) -> None:
     """The main job. Placeholder until the integration issue lands: a 2-rank torchrun smoke run."""
-    install_local(session, *PACKAGES)
+    install_local(session, *PACKAGES, extra=("numpy",))
     session.run(
         "torchrun",
         "--standalone",
