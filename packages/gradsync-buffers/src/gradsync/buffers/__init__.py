@@ -1,9 +1,67 @@
-"""gradsync.buffers (layer 2): DistributedDataParallelConfig, flat param/grad buffers, bucketing and bucket-
-group collectives.
+"""gradsync.buffers (layer 2): DistributedDataParallelConfig, flat param/grad buffers, bucketing and
+bucket-group collectives.
 
-Skeleton only for now: the package exists so that its tests, type check and layering run from day one.
+The pure layout (:mod:`.layout`) says where every param and grad lives; buffers hold that storage;
+bucket groups reduce grads and gather params asynchronously, one group at a time, through the stateless
+functions in :mod:`.collectives`.
 """
 
+from .assembly import GradBuffers, build_grad_buffers
+from .bucket_group import ParamAndGradBucketGroup, partition_buckets
+from .buffer import ParamAndGradBucket, ParamAndGradBuffer
+from .collectives import reduce_scatter_with_fp32_accumulation, shard_buffer
+from .config import DistributedDataParallelConfig, default_bucket_size, effective_bucket_size
+from .grad_checks import LargeGradDetector
+from .layout import (
+    BufferKey,
+    FullParamLayout,
+    ParamSpec,
+    PerBufferParamLayout,
+    ShardParamRange,
+    bucket_end_divisor,
+    compute_full_param_layout,
+    compute_param_layout,
+    group_params_for_buffers,
+    pad_bucket_end,
+    pad_param_start,
+    pad_to_divisor,
+)
+from .scaling import gradient_scaling_factors
+from .stats import CollectiveRecord, CommStats
 from .version import __version__
 
-__all__ = ["__version__"]
+# Megatron-Core's private names, for code that imports them.
+_ParamAndGradBuffer = ParamAndGradBuffer
+_ParamAndGradBucket = ParamAndGradBucket
+_ParamAndGradBucketGroup = ParamAndGradBucketGroup
+
+__all__ = [
+    "BufferKey",
+    "CollectiveRecord",
+    "CommStats",
+    "DistributedDataParallelConfig",
+    "FullParamLayout",
+    "GradBuffers",
+    "LargeGradDetector",
+    "ParamAndGradBucket",
+    "ParamAndGradBucketGroup",
+    "ParamAndGradBuffer",
+    "ParamSpec",
+    "PerBufferParamLayout",
+    "ShardParamRange",
+    "__version__",
+    "bucket_end_divisor",
+    "build_grad_buffers",
+    "compute_full_param_layout",
+    "compute_param_layout",
+    "default_bucket_size",
+    "effective_bucket_size",
+    "gradient_scaling_factors",
+    "group_params_for_buffers",
+    "pad_bucket_end",
+    "pad_param_start",
+    "pad_to_divisor",
+    "partition_buckets",
+    "reduce_scatter_with_fp32_accumulation",
+    "shard_buffer",
+]

@@ -1,0 +1,139 @@
+"""Build every buffer and bucket group of a model from its named params and process groups.
+
+This is the part of a DDP wrapper's construction that does not depend on hooks: group params into
+buffers (dense over the intra-instance dp x cp group, expert params over the expert-DP group), derive the
+effective bucket size and scaling factors, and partition buckets into groups. All group checks happen
+here, before any collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn import Parameter
+
+from gradsync.groups import ProcessGroupCollection
+
+from .bucket_group import ParamAndGradBucketGroup, partition_buckets
+from .buffer import ParamAndGradBuffer
+from .config import DistributedDataParallelConfig, effective_bucket_size
+from .layout import ParamSpec, group_params_for_buffers
+from .scaling import gradient_scaling_factors
+
+
+@dataclass
+class GradBuffers:
+    """A model's buffers and bucket groups, dense and expert-parallel, and the bucket size in use."""
+
+    buffers: list[ParamAndGradBuffer]
+    expert_parallel_buffers: list[ParamAndGradBuffer]
+    bucket_groups: list[ParamAndGradBucketGroup]
+    expert_parallel_bucket_groups: list[ParamAndGradBucketGroup]
+    bucket_size: int | None
+
+    @property
+    def all_buffers(self) -> list[ParamAndGradBuffer]:
+        return self.buffers + self.expert_parallel_buffers
+
+    @property
+    def all_bucket_groups(self) -> list[ParamAndGradBucketGroup]:
+        return self.bucket_groups + self.expert_parallel_bucket_groups
+
+    def reset(self) -> None:
+        """Zero every grad and start a new iteration in every bucket group."""
+        for buffer in self.all_buffers:
+            buffer.reset()
+        for group in self.all_bucket_groups:
+            group.reset()
+
+    def start_grad_sync(self, force_all_reduce: bool = False) -> None:
+        for group in self.all_bucket_groups:
+            group.start_grad_sync(force_all_reduce)
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        for group in self.all_bucket_groups:
+            group.finish_grad_sync(force_all_reduce)
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        for group in self.all_bucket_groups:
+            group.start_param_sync(force_sync)
+
+    def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
+        for buffer in self.all_buffers:
+            buffer.scale_gradients(scaling_factor)
+
+
+def _require(pgs: ProcessGroupCollection, *names: str) -> dist.ProcessGroup:
+    for name in names:
+        group = getattr(pgs, name)
+        if group is not None:
+            return group  # type: ignore[no-any-return]
+    raise ValueError(f"pg_collection needs one of {', '.join(names)} (set it to the matching process group)")
+
+
+def build_grad_buffers(
+    named_params: Sequence[tuple[str, Parameter]],
+    ddp_config: DistributedDataParallelConfig,
+    pg_collection: ProcessGroupCollection,
+    *,
+    calculate_per_token_loss: bool = False,
+    single_bucket: bool = False,
+    disable_bucketing: bool = False,
+    device: torch.device | None = None,
+) -> GradBuffers:
+    """Buffers and bucket groups for the trainable params of ``named_params`` (registration order).
+
+    ``single_bucket`` forces one bucket per buffer (pipeline ranks > 0); ``disable_bucketing`` also puts
+    every bucket into one group.
+    """
+    named = [(name, p) for name, p in named_params if p.requires_grad]
+    dense_group = _require(pg_collection, "intra_dp_cp", "dp_cp", "dp")
+    dp_cp = _require(pg_collection, "dp_cp", "dp")
+    dp = _require(pg_collection, "dp", "dp_cp")
+    specs = [ParamSpec.of(p) for _, p in named]
+    has_experts = any(s.is_expert_parallel for s in specs)
+    expert_group = _require(pg_collection, "intra_expt_dp", "expt_dp") if has_experts else None
+    expert_dp_size = _require(pg_collection, "expt_dp").size() if has_experts else 1
+    inter = None
+    if ddp_config.num_distributed_optimizer_instances > 1:
+        inter = _require(pg_collection, "inter_dist_opt")
+    bucket_size = effective_bucket_size(
+        ddp_config,
+        dp.size(),
+        total_params=sum(s.numel for s in specs),
+        single_bucket=single_bucket or disable_bucketing,
+    )
+    dense_factor, expert_factor = gradient_scaling_factors(
+        ddp_config,
+        calculate_per_token_loss=calculate_per_token_loss,
+        data_parallel_cp_size=dp_cp.size(),
+        expert_data_parallel_size=expert_dp_size,
+    )
+    dense: list[ParamAndGradBuffer] = []
+    expert: list[ParamAndGradBuffer] = []
+    for key, members in group_params_for_buffers(specs, ddp_config.grad_reduce_in_fp32).items():
+        buffer = ParamAndGradBuffer(
+            ddp_config,
+            key.param_dtype,
+            key.grad_dtype,
+            [(named[i][1], named[i][0]) for i in members],
+            expert_group if key.is_expert_parallel and expert_group is not None else dense_group,
+            bucket_size,
+            expert_factor if key.is_expert_parallel else dense_factor,
+            device=device,
+        )
+        (expert if key.is_expert_parallel else dense).append(buffer)
+    return GradBuffers(
+        buffers=dense,
+        expert_parallel_buffers=expert,
+        bucket_groups=partition_buckets(
+            dense, disable_bucketing, inter_distributed_optimizer_instance_group=inter
+        ),
+        expert_parallel_bucket_groups=partition_buckets(
+            expert, disable_bucketing, inter_distributed_optimizer_instance_group=inter
+        ),
+        bucket_size=bucket_size,
+    )

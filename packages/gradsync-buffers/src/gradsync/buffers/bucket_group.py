@@ -1,0 +1,299 @@
+"""Bucket groups: buckets whose grads are reduced, and params gathered, as one asynchronous step.
+
+A group tracks which of its params have their grad for this iteration. The first iteration only counts
+("golden" counts, so params used several times in one backward are handled); from the second on, the group
+dispatches its reduction the moment its counts match, overlapping it with the rest of backward. With the
+distributed optimizer grads are reduce-scattered (each rank owns one shard of every bucket) and params are
+gathered back, group by group, ahead of the forward pass that needs them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from itertools import pairwise
+
+import torch
+import torch.distributed as dist
+from torch.nn import Parameter
+
+from . import collectives
+from .buffer import ParamAndGradBucket, ParamAndGradBuffer
+from .config import DistributedDataParallelConfig
+from .grad_checks import LargeGradDetector, check_grads
+from .stats import CollectiveRecord, CommStats
+
+
+class ParamAndGradBucketGroup:
+    """Buckets communicated together over one (intra-instance) data-parallel group."""
+
+    def __init__(
+        self,
+        buckets: list[ParamAndGradBucket],
+        ddp_config: DistributedDataParallelConfig,
+        collective_group: dist.ProcessGroup,
+        collective_group_size: int,
+        *,
+        inter_distributed_optimizer_instance_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.buckets = buckets
+        self.ddp_config = ddp_config
+        self.collective_group = collective_group
+        self.collective_group_size = collective_group_size
+        self.collective_group_rank = collective_group.rank()
+        if (
+            ddp_config.num_distributed_optimizer_instances > 1
+            and inter_distributed_optimizer_instance_group is None
+        ):
+            raise ValueError(
+                f"num_distributed_optimizer_instances={ddp_config.num_distributed_optimizer_instances} needs "
+                "the inter-instance group: pass pg_collection.inter_dist_opt"
+            )
+        self.inter_distributed_optimizer_instance_group = inter_distributed_optimizer_instance_group
+        self.param_to_bucket = {p: b for b in buckets for p in b.params_list}
+        self.params = set(self.param_to_bucket)
+        self.param_names = {p: name for b in buckets for p, name in b.param_names.items()}
+        self.next_param_gather_bucket_group: ParamAndGradBucketGroup | None = None
+        self.previous_grad_reduce_bucket_group: ParamAndGradBucketGroup | None = None
+
+        self.golden_per_param_grad_ready_counts: dict[Parameter, int] = {}
+        self.per_param_grad_ready_counts: dict[Parameter, int] = {}
+        self.is_last_microbatch = True
+        self.is_first_batch = True
+        self.grad_reduce_handle: collectives.Launched | None = None
+        self.grad_reduce_dispatched = False
+        self.grad_reduce_finished = False
+        self.param_gather_handle: collectives.Launched | None = None
+        self.param_gather_dispatched = False
+        self.stats = CommStats()
+        self.large_grad_detector = LargeGradDetector() if ddp_config.check_for_large_grads else None
+
+    # --- iteration state -------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Start a new iteration; after the first one, record the golden readiness counts."""
+        if self.is_first_batch and self.per_param_grad_ready_counts:
+            missing = self._params_without_grad()
+            if missing:
+                raise RuntimeError(
+                    f"{len(missing)} of {len(self.params)} params of a bucket group got no grad in the first "
+                    f"iteration: {', '.join(missing)}. Every param must receive a grad in every iteration; "
+                    "freeze unused params (requires_grad=False) before wrapping."
+                )
+            self.golden_per_param_grad_ready_counts = dict(self.per_param_grad_ready_counts)
+            self.is_first_batch = False
+        self.per_param_grad_ready_counts = {}
+        self.is_last_microbatch = True
+        self.grad_reduce_finished = False
+        self.grad_reduce_dispatched = False
+        self.stats.reset()
+
+    def _params_without_grad(self) -> list[str]:
+        return sorted(self.param_names[p] for p in self.params if p not in self.per_param_grad_ready_counts)
+
+    def register_grad_ready(self, param: Parameter, force_all_reduce: bool = False) -> None:
+        """Count one grad of ``param``; dispatch the reduction once every count matches the golden one."""
+        if not self.ddp_config.overlap_grad_reduce:
+            raise RuntimeError("register_grad_ready() should only be called when overlap_grad_reduce is True")
+        if not self.is_last_microbatch:
+            return
+        if param not in self.params:
+            raise ValueError(f"Param is not in the bucket group: {getattr(param, 'shape', param)}")
+        self.per_param_grad_ready_counts[param] = self.per_param_grad_ready_counts.get(param, 0) + 1
+        if (
+            not self.is_first_batch
+            and self.per_param_grad_ready_counts == self.golden_per_param_grad_ready_counts
+        ):
+            self.start_grad_sync(force_all_reduce)
+
+    # --- gradient reduction ----------------------------------------------------------------------
+
+    def _uses_reduce_scatter(self, force_all_reduce: bool) -> bool:
+        return self.ddp_config.use_distributed_optimizer and not force_all_reduce
+
+    def start_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Scale and launch the reduction of every bucket (async with overlap_grad_reduce)."""
+        if self.is_first_batch and self.grad_reduce_handle is not None:
+            return  # already dispatched explicitly in the first iteration
+        previous = self.previous_grad_reduce_bucket_group
+        if previous is not None and previous.grad_reduce_handle is not None:
+            previous.finish_grad_sync(force_all_reduce)  # bound live fp32-accumulation scratch
+        if self.grad_reduce_handle is not None:
+            raise RuntimeError("Should not have multiple communication calls outstanding at once")
+        self._copy_extra_main_grads_into_buffer()
+        if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
+            check_grads(
+                self.buckets,
+                rank=dist.get_rank(),
+                check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
+                detector=self.large_grad_detector,
+            )
+        with torch.no_grad():
+            for bucket in self.buckets:
+                if bucket.gradient_scaling_factor != 1.0:
+                    bucket.grad_data *= bucket.gradient_scaling_factor
+
+        launched = collectives.Launched()
+        records = []
+        average = self.ddp_config.average_in_collective
+        reduce_scatter = self._uses_reduce_scatter(force_all_reduce)
+        group = self.collective_group
+        for bucket in self.buckets:
+            records.append(
+                self._record("reduce_scatter" if reduce_scatter else "all_reduce", bucket.grad_data)
+            )
+            if reduce_scatter and self.ddp_config.reduce_scatter_with_fp32_accumulation:
+                launched.extend(collectives.reduce_scatter_fp32_accumulated(bucket.grad_data, group))
+            elif reduce_scatter:
+                launched.extend(collectives.reduce_scatter(bucket.grad_data, group, average=average))
+            else:
+                launched.extend(collectives.all_reduce(bucket.grad_data, group, average=average))
+        inter = self.inter_distributed_optimizer_instance_group
+        if self.ddp_config.use_distributed_optimizer and inter is not None:
+            # The shard must be reduced within the instance before it is reduced across instances.
+            launched.wait()
+            for bucket in self.buckets:
+                shard = collectives.shard_buffer(bucket.grad_data, self.collective_group_size)[
+                    self.collective_group_rank
+                ]
+                records.append(self._record("all_reduce", shard, inter))
+                launched.extend(collectives.all_reduce(shard, inter, average=average))
+        launched.after.append(lambda: CommStats.end(records))
+        self.grad_reduce_dispatched = True
+        if self.ddp_config.overlap_grad_reduce and inter is None:
+            self.grad_reduce_handle = launched
+        else:
+            launched.wait()
+
+    def _record(
+        self, op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = None
+    ) -> CollectiveRecord:
+        group = group or self.collective_group
+        return self.stats.begin(op, tensor.numel() * tensor.element_size(), group.size())
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Wait for (or, without overlap, run) the reduction of this group."""
+        self.param_gather_dispatched = False  # the next forward must gather the updated params
+        if not self.ddp_config.overlap_grad_reduce:
+            self.start_grad_sync(force_all_reduce)
+            self._copy_back_extra_main_grads()
+            return
+        if self.grad_reduce_finished:
+            return
+        if self.is_first_batch and not self.grad_reduce_dispatched:
+            self.start_grad_sync(force_all_reduce)
+        if not self.grad_reduce_dispatched:
+            missing = [self.param_names[p] for p in self.params if p not in self.per_param_grad_ready_counts]
+            none_missing = "(none; their counts differ from the first iteration's)"
+            raise RuntimeError(
+                f"Communication call has not been issued for this bucket "
+                f"({len(self.per_param_grad_ready_counts)}/{len(self.params)} params have grad available). "
+                f"Params that never got a grad: {', '.join(sorted(missing)) or none_missing}"
+            )
+        if self.grad_reduce_handle is not None:
+            self.grad_reduce_handle.wait()
+            self.grad_reduce_handle = None
+        self._copy_back_extra_main_grads()
+        self.grad_reduce_finished = True
+
+    def _copy_extra_main_grads_into_buffer(self) -> None:
+        for bucket in self.buckets:
+            for param in bucket.params_with_extra_main_grads:
+                param.main_grad_copy_in_grad_buffer.copy_(param.main_grad)  # type: ignore[attr-defined]
+
+    def _copy_back_extra_main_grads(self) -> None:
+        for bucket in self.buckets:
+            for param in bucket.params_with_extra_main_grads:
+                param.main_grad.copy_(param.main_grad_copy_in_grad_buffer)  # type: ignore[attr-defined]
+
+    # --- parameter all-gather (distributed optimizer) --------------------------------------------
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        """Gather every bucket's param shards from their owners (async with overlap_param_gather)."""
+        if not (self.ddp_config.use_distributed_optimizer or self.ddp_config.overlap_param_gather):
+            raise RuntimeError("start_param_sync needs use_distributed_optimizer or overlap_param_gather")
+        if force_sync and self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
+            return
+        if self.param_gather_handle is not None:
+            raise RuntimeError("A param all-gather is already in flight for this bucket group")
+        launched = collectives.Launched()
+        records = []
+        for bucket in self.buckets:
+            assert bucket.param_data is not None  # a distributed-optimizer buffer always has one
+            records.append(self._record("all_gather", bucket.param_data))
+            launched.extend(collectives.all_gather_shards(bucket.param_data, self.collective_group))
+        launched.after.append(lambda: CommStats.end(records))
+        if self.ddp_config.overlap_param_gather and not force_sync:
+            self.param_gather_handle = launched
+        else:
+            launched.wait()
+        self.param_gather_dispatched = True
+
+    def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
+        """Wait for this group's gather, then start the next group's so it overlaps with compute."""
+        if not self.ddp_config.overlap_param_gather:
+            raise RuntimeError("finish_param_sync() should only be called when overlap_param_gather is True")
+        if not self.param_gather_dispatched:
+            self.start_param_sync()
+        if self.param_gather_handle is None:
+            return
+        self.param_gather_handle.wait()
+        self.param_gather_handle = None
+        following = self.next_param_gather_bucket_group
+        if following is not None and not skip_next_bucket_dispatch:
+            if following.param_gather_dispatched:
+                warnings.warn(
+                    "The next bucket's parameter all-gather operation has already been dispatched. This may "
+                    "be caused by a mismatch between the order of parameter registration and forward pass "
+                    "execution, which will hurt the communication-computation overlap performance.",
+                    stacklevel=2,
+                )
+            else:
+                following.start_param_sync()
+
+
+def partition_buckets(
+    buffers: Sequence[ParamAndGradBuffer],
+    force_single_bucket_group: bool = False,
+    *,
+    inter_distributed_optimizer_instance_group: dist.ProcessGroup | None = None,
+) -> list[ParamAndGradBucketGroup]:
+    """One group per bucket (buffers in order, buckets in order), or every bucket in one group.
+
+    Groups are chained so that the param gather runs from the last group (the model's first layers)
+    towards group 0, and so that a group can drain its predecessor's reduction.
+    """
+    if not buffers:
+        return []
+    if force_single_bucket_group:
+        first = buffers[0]
+        for other in buffers[1:]:
+            if (
+                other.data_parallel_group is not first.data_parallel_group
+                or other.ddp_config != first.ddp_config
+            ):
+                raise ValueError(
+                    "buffers in one bucket group must share their config and data-parallel group"
+                )
+        bucket_lists = [[b for buffer in buffers for b in buffer.buckets]]
+        owners = [first]
+    else:
+        bucket_lists = [[b] for buffer in buffers for b in buffer.buckets]
+        owners = [buffer for buffer in buffers for _ in buffer.buckets]
+    groups = [
+        ParamAndGradBucketGroup(
+            buckets,
+            owner.ddp_config,
+            owner.data_parallel_group,
+            owner.data_parallel_world_size,
+            inter_distributed_optimizer_instance_group=inter_distributed_optimizer_instance_group,
+        )
+        for buckets, owner in zip(bucket_lists, owners, strict=True)
+    ]
+    for earlier, later in pairwise(groups):
+        later.next_param_gather_bucket_group = earlier
+        if later.ddp_config.reduce_scatter_with_fp32_accumulation:
+            later.previous_grad_reduce_bucket_group = earlier
+    return groups

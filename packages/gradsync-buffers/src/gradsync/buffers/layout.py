@@ -1,0 +1,256 @@
+"""Where every parameter and gradient lives in the flat buffers: a pure function of shapes and sizes.
+
+Params are laid out in reverse registration order (the last layer's grads are ready first in backward),
+packed into buckets that close once they reach ``bucket_size`` elements. With the distributed optimizer the
+layout is padded: each param starts at a multiple of 64 elements, each bucket ends at a multiple of
+lcm(dp, 128) (and of 2^16 with ``pad_buckets_for_high_nccl_busbw``) so it splits into equal DP shards, and a
+``shared_embedding`` param gets a bucket of its own. Nothing here needs a process group or a tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+PARAM_START_ALIGNMENT = 64
+"""Param starts are aligned to this many elements (elements, not bytes, as in the reference)."""
+BUCKET_END_ALIGNMENT = 128
+HIGH_BUSBW_ALIGNMENT = 2**16
+
+
+def pad_to_divisor(value: int, divisor: int) -> int:
+    """``value`` rounded up to a multiple of ``divisor``."""
+    return -(-value // divisor) * divisor
+
+
+def pad_param_start(param_start_index: int) -> int:
+    return pad_to_divisor(param_start_index, PARAM_START_ALIGNMENT)
+
+
+def bucket_end_divisor(data_parallel_world_size: int, pad_for_high_nccl_busbw: bool) -> int:
+    """Bucket ends are multiples of lcm(dp, 128), or lcm(dp, 128, 2^16) for high NCCL bus bandwidth."""
+    divisor = math.lcm(data_parallel_world_size, BUCKET_END_ALIGNMENT)
+    return math.lcm(divisor, HIGH_BUSBW_ALIGNMENT) if pad_for_high_nccl_busbw else divisor
+
+
+def pad_bucket_end(
+    bucket_end_index: int, data_parallel_world_size: int, pad_for_high_nccl_busbw: bool
+) -> int:
+    return pad_to_divisor(
+        bucket_end_index, bucket_end_divisor(data_parallel_world_size, pad_for_high_nccl_busbw)
+    )
+
+
+@dataclass(frozen=True)
+class BufferKey:
+    """Params sharing a buffer share these: dtypes, and whether they are expert-parallel."""
+
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    is_expert_parallel: bool
+    is_managed_by_layer_wise_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the layout needs to know about one parameter."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    is_expert_parallel: bool = False
+    shared_embedding: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @classmethod
+    def of(cls, param: torch.Tensor) -> ParamSpec:
+        """Read a parameter's layout-relevant attributes (``allreduce=False`` marks expert params)."""
+        return cls(
+            shape=tuple(param.shape),
+            dtype=param.dtype,
+            is_expert_parallel=not getattr(param, "allreduce", True),
+            shared_embedding=bool(getattr(param, "shared_embedding", False)),
+        )
+
+
+@dataclass(frozen=True)
+class ShardParamRange:
+    """The part of one param that a DP rank's shard of a bucket holds (the distributed-optimizer contract).
+
+    All ranges are half-open. ``param_range`` indexes the flattened param, ``gbuf_world`` the whole
+    buffer, ``gbuf_world_in_bucket`` the bucket, and ``local`` the shard.
+    """
+
+    param_index: int
+    param_range: tuple[int, int]
+    gbuf_world: tuple[int, int]
+    gbuf_world_in_bucket: tuple[int, int]
+    local: tuple[int, int]
+
+
+@dataclass
+class PerBufferParamLayout:
+    """The layout of one buffer. Params are named by their position in the buffer's param list.
+
+    ``param_index_map[i] = (start, end, bucket_id)``; ``bucket_indices[b] = (start, end)`` including
+    padding; ``num_optimizer_shards`` is the DP size the padding was computed for (None when unpadded).
+    """
+
+    param_index_map: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    bucket_indices: list[tuple[int, int]] = field(default_factory=list)
+    per_bucket_numel_unpadded: list[int] = field(default_factory=list)
+    param_indices: list[int] = field(default_factory=list)
+    num_optimizer_shards: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.bucket_indices[-1][1] if self.bucket_indices else 0
+
+    def bucket_params(self, bucket_id: int) -> list[int]:
+        """Params of a bucket in layout order (reverse registration order)."""
+        members = [i for i, (_, _, b) in self.param_index_map.items() if b == bucket_id]
+        return sorted(members, key=lambda i: self.param_index_map[i][0])
+
+    def shard_range(self, bucket_id: int, rank: int, num_shards: int) -> tuple[int, int]:
+        """Buffer range of ``rank``'s shard of a bucket; shards are equal and contiguous."""
+        start, end = self.bucket_indices[bucket_id]
+        if (end - start) % num_shards:
+            raise ValueError(
+                f"bucket {bucket_id} has {end - start} elements, not divisible into {num_shards} shards"
+            )
+        size = (end - start) // num_shards
+        return start + rank * size, start + (rank + 1) * size
+
+    def shard_param_ranges(self, bucket_id: int, rank: int, num_shards: int) -> list[ShardParamRange]:
+        """The param pieces ``rank`` owns in a bucket (padding belongs to nobody)."""
+        bucket_start = self.bucket_indices[bucket_id][0]
+        world_start, world_end = self.shard_range(bucket_id, rank, num_shards)
+        size = world_end - world_start
+        pieces = []
+        for i in self.bucket_params(bucket_id):
+            param_start, param_end, _ = self.param_index_map[i]
+            local = (max(0, param_start - world_start), min(size, param_end - world_start))
+            if local[1] <= local[0]:
+                continue
+            gbuf = (local[0] + world_start, local[1] + world_start)
+            offset = max(0, world_start - param_start)
+            pieces.append(
+                ShardParamRange(
+                    param_index=i,
+                    param_range=(offset, offset + local[1] - local[0]),
+                    gbuf_world=gbuf,
+                    gbuf_world_in_bucket=(gbuf[0] - bucket_start, gbuf[1] - bucket_start),
+                    local=local,
+                )
+            )
+        return pieces
+
+
+def compute_param_layout(
+    numels: Sequence[int],
+    bucket_size: int | None,
+    *,
+    padded: bool = False,
+    data_parallel_world_size: int = 1,
+    pad_for_high_nccl_busbw: bool = False,
+    shared_embedding: Sequence[bool] | None = None,
+) -> PerBufferParamLayout:
+    """Lay out params (given in registration order) in reverse order, bucketed and optionally padded.
+
+    Unpadded (plain all-reduce DDP): params are packed back to back, no shared-embedding rule. Padded
+    (distributed optimizer): 64-element param starts, bucket ends padded for ``data_parallel_world_size``
+    equal shards, and ``shared_embedding`` params alone in their bucket. A param never spans two buckets.
+    """
+    shared = list(shared_embedding) if shared_embedding is not None else [False] * len(numels)
+    if len(shared) != len(numels):
+        raise ValueError(f"{len(numels)} params but {len(shared)} shared_embedding flags")
+    if bucket_size is not None and bucket_size <= 0:
+        raise ValueError(f"bucket_size must be positive or None, got {bucket_size}")
+    layout = PerBufferParamLayout(num_optimizer_shards=data_parallel_world_size if padded else None)
+    start = bucket_start = 0
+    open_params: list[int] = []
+
+    def close_bucket(at: int) -> None:
+        nonlocal start, bucket_start, open_params
+        end = pad_bucket_end(at, data_parallel_world_size, pad_for_high_nccl_busbw) if padded else at
+        layout.bucket_indices.append((bucket_start, end))
+        layout.per_bucket_numel_unpadded.append(at - bucket_start)
+        start = bucket_start = end
+        open_params = []
+
+    for i in reversed(range(len(numels))):
+        if padded:
+            start = pad_param_start(start)
+            if shared[i] and open_params:
+                close_bucket(start)
+        end = start + numels[i]
+        layout.param_index_map[i] = (start, end, len(layout.bucket_indices))
+        open_params.append(i)
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or (padded and shared[i]):
+            close_bucket(end)
+        else:
+            start = end
+    if open_params:
+        close_bucket(start)
+    return layout
+
+
+def buffer_key(spec: ParamSpec, grad_reduce_in_fp32: bool) -> BufferKey:
+    return BufferKey(
+        param_dtype=spec.dtype,
+        grad_dtype=torch.float32 if grad_reduce_in_fp32 else spec.dtype,
+        is_expert_parallel=spec.is_expert_parallel,
+    )
+
+
+def group_params_for_buffers(
+    specs: Sequence[ParamSpec], grad_reduce_in_fp32: bool
+) -> dict[BufferKey, list[int]]:
+    """Positions of the params of each buffer, buffers ordered by first appearance."""
+    groups: dict[BufferKey, list[int]] = {}
+    for i, spec in enumerate(specs):
+        groups.setdefault(buffer_key(spec, grad_reduce_in_fp32), []).append(i)
+    return groups
+
+
+@dataclass
+class FullParamLayout:
+    """One layout per buffer; ``members[key]`` maps the buffer's positions back to the input params."""
+
+    layouts: dict[BufferKey, PerBufferParamLayout] = field(default_factory=dict)
+    members: dict[BufferKey, list[int]] = field(default_factory=dict)
+
+
+def compute_full_param_layout(
+    specs: Sequence[ParamSpec],
+    bucket_size: int | None,
+    *,
+    grad_reduce_in_fp32: bool = False,
+    padded: bool = False,
+    data_parallel_world_size: int = 1,
+    expert_data_parallel_world_size: int | None = None,
+    pad_for_high_nccl_busbw: bool = False,
+) -> FullParamLayout:
+    """Group params into buffers and lay out each; expert buffers pad for the expert DP size."""
+    full = FullParamLayout()
+    for key, members in group_params_for_buffers(specs, grad_reduce_in_fp32).items():
+        dp = data_parallel_world_size
+        if key.is_expert_parallel and expert_data_parallel_world_size is not None:
+            dp = expert_data_parallel_world_size
+        layout = compute_param_layout(
+            [specs[i].numel for i in members],
+            bucket_size,
+            padded=padded,
+            data_parallel_world_size=dp,
+            pad_for_high_nccl_busbw=pad_for_high_nccl_busbw,
+            shared_embedding=[specs[i].shared_embedding for i in members],
+        )
+        layout.param_indices = list(range(len(members)))
+        full.layouts[key] = layout
+        full.members[key] = members
+    return full
