@@ -176,6 +176,13 @@ def integration(session: nox.Session) -> None:
     session.run("pytest", str(ROOT / "integration"), *session.posargs)
 
 
+@nox.session(name="bench-buffers")
+def bench_buffers(session: nox.Session) -> None:
+    """Benchmark (not a test): each collective path of gradsync-buffers on this machine, as a table."""
+    install_local(session, "buffers", extra=("numpy",))
+    session.run("python", pkg_dir("buffers") + "/benchmarks/bench_collectives.py", *session.posargs)
+
+
 @nox.session
 def train(session: nox.Session) -> None:
     """The main job. Placeholder until the integration issue lands: a 2-rank torchrun smoke run."""

@@ -87,13 +87,24 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, average: bool 
     return launched
 
 
-def reduce_scatter(bucket: torch.Tensor, group: dist.ProcessGroup, *, average: bool = False) -> Launched:
-    """Reduce ``bucket`` so this rank's shard holds the sum (or mean); other shards keep local values."""
+def reduce_scatter(
+    bucket: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    average: bool = False,
+    via_all_reduce: bool | None = None,
+) -> Launched:
+    """Reduce ``bucket`` so this rank's shard holds the sum (or mean); other shards keep local values.
+
+    ``via_all_reduce`` overrides the backend's choice of path (for benchmarks and tests).
+    """
     size, rank = group.size(), group.rank()
     shard = shard_buffer(bucket, size)[rank]
     op, divide = _reduce_op(group, average)
-    caps = get_backend_capabilities(group)
-    if caps.reduce_scatter_via_all_reduce or not caps.reduce_scatter_tensor:
+    if via_all_reduce is None:
+        caps = get_backend_capabilities(group)
+        via_all_reduce = caps.reduce_scatter_via_all_reduce or not caps.reduce_scatter_tensor
+    if via_all_reduce:
         copy = bucket.clone()
         launched = Launched([dist.all_reduce(copy, op=op, group=group, async_op=True)])
 
@@ -108,12 +119,19 @@ def reduce_scatter(bucket: torch.Tensor, group: dist.ProcessGroup, *, average: b
     return launched
 
 
-def all_gather_shards(bucket: torch.Tensor, group: dist.ProcessGroup) -> Launched:
-    """Fill every shard of ``bucket`` from its owner rank (this rank's shard is its own input)."""
+def all_gather_shards(
+    bucket: torch.Tensor, group: dist.ProcessGroup, *, via_broadcasts: bool | None = None
+) -> Launched:
+    """Fill every shard of ``bucket`` from its owner rank (this rank's shard is its own input).
+
+    ``via_broadcasts`` overrides the backend's choice of path (for benchmarks and tests).
+    """
     size, rank = group.size(), group.rank()
     shards = shard_buffer(bucket, size)
-    caps = get_backend_capabilities(group)
-    if caps.all_gather_via_broadcasts or not caps.all_gather_into_tensor:
+    if via_broadcasts is None:
+        caps = get_backend_capabilities(group)
+        via_broadcasts = caps.all_gather_via_broadcasts or not caps.all_gather_into_tensor
+    if via_broadcasts:
         ranks = dist.get_process_group_ranks(group)
         return Launched(
             [dist.broadcast(shards[r], src=ranks[r], group=group, async_op=True) for r in range(size)]
