@@ -90,16 +90,20 @@ def build_grad_buffers(
     every bucket into one group.
     """
     named = [(name, p) for name, p in named_params if p.requires_grad]
-    dense_group = _require(pg_collection, "intra_dp_cp", "dp_cp", "dp")
-    dp_cp = _require(pg_collection, "dp_cp", "dp")
-    dp = _require(pg_collection, "dp", "dp_cp")
     specs = [ParamSpec.of(p) for _, p in named]
     has_experts = any(s.is_expert_parallel for s in specs)
-    expert_group = _require(pg_collection, "intra_expt_dp", "expt_dp") if has_experts else None
-    expert_dp_size = _require(pg_collection, "expt_dp").size() if has_experts else 1
+    dp_cp = _require(pg_collection, "dp_cp", "dp")
+    dp = _require(pg_collection, "dp", "dp_cp")
     inter = None
     if ddp_config.num_distributed_optimizer_instances > 1:
+        # Several optimizer instances: the intra-instance groups differ from dp_cp / expt_dp, so no fallback.
         inter = _require(pg_collection, "inter_dist_opt")
+        dense_group = _require(pg_collection, "intra_dp_cp")
+        expert_group = _require(pg_collection, "intra_expt_dp") if has_experts else None
+    else:
+        dense_group = _require(pg_collection, "intra_dp_cp", "dp_cp", "dp")
+        expert_group = _require(pg_collection, "intra_expt_dp", "expt_dp") if has_experts else None
+    expert_dp_size = _require(pg_collection, "expt_dp").size() if has_experts else 1
     bucket_size = effective_bucket_size(
         ddp_config,
         dp.size(),

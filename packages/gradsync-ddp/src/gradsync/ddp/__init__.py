@@ -1,9 +1,20 @@
 """gradsync.ddp (layer 3): the DistributedDataParallel wrapper and a sharded optimizer for
 use_distributed_optimizer.
 
-Skeleton only for now: the package exists so that its tests, type check and layering run from day one.
+`DistributedDataParallel` wraps a module with contiguous grad buffers and bucketed, overlapped reductions;
+`DistributedOptimizer` steps any torch.optim optimizer on this rank's reduce-scattered shard.
 """
 
+from .base import _BaseDataParallel
+from .distributed_data_parallel import DistributedDataParallel
+from .distributed_optimizer import DistributedOptimizer
+from .optimizer_state import merge_shards
 from .version import __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "DistributedDataParallel",
+    "DistributedOptimizer",
+    "_BaseDataParallel",
+    "__version__",
+    "merge_shards",
+]

@@ -1,0 +1,230 @@
+"""`DistributedDataParallel`: contiguous grad buffers, bucketed reductions overlapped with backward.
+
+The wrapper owns the hooks; the buffers, bucket groups and collectives come from gradsync-buffers.
+A post-accumulate-grad hook moves each ``.grad`` into ``main_grad`` and reports the param ready, so a
+bucket group's reduction starts the moment its last grad arrives. With the distributed optimizer and
+``overlap_param_gather``, forward pre-hooks wait for each group's param all-gather just before the first
+module that needs it, and start the next group's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.buffers import DistributedDataParallelConfig, build_grad_buffers
+from gradsync.buffers.bucket_group import ParamAndGradBucketGroup
+from gradsync.groups import ModelParallelConfigProtocol, ProcessGroupCollection
+
+from .base import _BaseDataParallel
+from .param_consistency import check_params_match_across_ranks
+
+
+def resolve_process_groups(
+    pg_collection: ProcessGroupCollection | None, config: ModelParallelConfigProtocol
+) -> ProcessGroupCollection:
+    """The groups DDP uses: pure DP over the default world when none are given; otherwise the given
+    collection (never modified), with dp_cp defaulting to dp when there is no context parallelism."""
+    if pg_collection is None:
+        world = dist.group.WORLD
+        return ProcessGroupCollection(
+            dp=world,
+            dp_cp=world,
+            intra_dp_cp=world,
+            expt_dp=world,
+            intra_expt_dp=world,
+            intra_dist_opt=world,
+        )
+    given = dict(vars(pg_collection))
+    if given.get("dp") is None:
+        raise ValueError("dp process group is required but not provided in pg_collection")
+    if given.get("dp_cp") is None:
+        if getattr(config, "context_parallel_size", 1) != 1:
+            raise ValueError(
+                "dp_cp process group is required when context_parallel_size > 1 but not provided in "
+                "pg_collection"
+            )
+        given["dp_cp"] = given["dp"]
+    return ProcessGroupCollection(**given)
+
+
+class DistributedDataParallel(_BaseDataParallel):
+    """DDP wrapper that stores grads in contiguous buffers and reduces them bucket by bucket.
+
+    ``unused_parameters`` (gradsync extension) names params known never to receive a grad: they are left
+    out of the buffers, and one that does receive a grad raises instead of being silently dropped.
+    """
+
+    def __init__(
+        self,
+        config: ModelParallelConfigProtocol,
+        ddp_config: DistributedDataParallelConfig,
+        module: nn.Module,
+        disable_bucketing: bool = False,
+        pg_collection: ProcessGroupCollection | None = None,
+        *,
+        unused_parameters: Collection[str] = (),
+    ) -> None:
+        super().__init__(config, module)
+        self.ddp_config = ddp_config
+        self.pg_collection = resolve_process_groups(pg_collection, config)
+        named = list(module.named_parameters())
+        unknown = set(unused_parameters) - {name for name, _ in named}
+        if unknown:
+            raise ValueError(f"unused_parameters names params the module does not have: {sorted(unknown)}")
+        dp_cp = self.pg_collection.dp_cp
+        assert dp_cp is not None
+        check_params_match_across_ranks(named, dp_cp)
+
+        pp = self.pg_collection.pp
+        pp_rank = pp.rank() if isinstance(pp, dist.ProcessGroup) else 0
+        trainable = [(n, p) for n, p in named if p.requires_grad and n not in unused_parameters]
+        self.params_with_grad = [p for _, p in trainable]
+        self.param_to_name = {p: n for n, p in trainable}
+        for param in self.params_with_grad:
+            param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+        self.grad_buffers = build_grad_buffers(
+            trainable,
+            ddp_config,
+            self.pg_collection,
+            calculate_per_token_loss=getattr(config, "calculate_per_token_loss", False),
+            single_bucket=pp_rank > 0,
+            disable_bucketing=disable_bucketing,
+        )
+        # Megatron-Core's attribute name; it shadows nn.Module.buffers() on purpose, as the reference does.
+        self.buffers = self.grad_buffers.buffers  # type: ignore[assignment,method-assign]
+        self.expert_parallel_buffers = self.grad_buffers.expert_parallel_buffers
+        self.bucket_groups = self.grad_buffers.bucket_groups
+        self.expert_parallel_bucket_groups = self.grad_buffers.expert_parallel_bucket_groups
+        self.bucket_size = self.grad_buffers.bucket_size
+        self.param_to_bucket_group: dict[nn.Parameter, ParamAndGradBucketGroup] = {
+            p: group for group in self.grad_buffers.all_bucket_groups for p in group.params
+        }
+        self.force_all_reduce = False
+        hooks = [(p, self._make_backward_post_hook(p)) for p in self.params_with_grad]
+        hooks += [(p, _refuse_grad(n)) for n, p in named if n in unused_parameters]
+        self.grad_hook_handles = [
+            p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+            for p, hook in hooks
+        ]
+        self.use_forward_hook = ddp_config.overlap_param_gather
+        self.remove_forward_pre_hook_handles: dict[nn.Module, Any] = {}
+        self.overlap_param_gather_with_optimizer_step = False
+        if self.use_forward_hook:
+            self.enable_forward_pre_hook()
+
+    # --- hooks -----------------------------------------------------------------------------------
+
+    def _make_backward_post_hook(self, param: nn.Parameter) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            grad = param.grad
+            main_grad: torch.Tensor = param.main_grad  # type: ignore[attr-defined]
+            # A grad that aliases main_grad (left from finish_grad_sync) was accumulated in place already.
+            aliased = grad is not None and grad.data_ptr() == main_grad.data_ptr()
+            fused_already = param.grad_added_to_main_grad and not getattr(param, "zero_out_wgrad", False)  # type: ignore[attr-defined]
+            if grad is not None and not aliased and not fused_already:
+                main_grad.add_(grad)
+            param.grad = None
+            if self.ddp_config.overlap_grad_reduce:
+                self.param_to_bucket_group[param].register_grad_ready(param, self.force_all_reduce)
+
+        return hook
+
+    def _make_forward_pre_hook(self) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, _: Any) -> None:
+            skip = self.ddp_config.align_param_gather or self.overlap_param_gather_with_optimizer_step
+            for param in module.parameters(recurse=False):
+                group = self.param_to_bucket_group.get(param)
+                if group is not None:
+                    group.finish_param_sync(skip_next_bucket_dispatch=skip)
+
+        return hook
+
+    def enable_forward_pre_hook(self) -> None:
+        """Wait for (and chain) param all-gathers just before each module's forward."""
+        if not self.use_forward_hook:
+            raise RuntimeError("forward pre-hooks are only used with overlap_param_gather=True")
+        if self.remove_forward_pre_hook_handles:
+            raise RuntimeError("forward pre-hooks are already enabled")
+        for module in self.module.modules():
+            self.remove_forward_pre_hook_handles[module] = module.register_forward_pre_hook(
+                self._make_forward_pre_hook()
+            )
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        """Remove the pre-hooks; with ``param_sync``, gather every param now (before eval or saving)."""
+        if not self.use_forward_hook:
+            raise RuntimeError("forward pre-hooks are only used with overlap_param_gather=True")
+        for handle in self.remove_forward_pre_hook_handles.values():
+            handle.remove()
+        self.remove_forward_pre_hook_handles.clear()
+        if param_sync:
+            with torch.no_grad():
+                self.start_param_sync(force_sync=True)
+
+    # --- the sync interface ----------------------------------------------------------------------
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate grads without counting readiness or reducing (every micro-batch but the last)."""
+        groups = self.grad_buffers.all_bucket_groups
+        for group in groups:
+            group.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            for group in groups:
+                group.is_last_microbatch = True
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        """Launch every bucket group's reduction now (async with overlap_grad_reduce)."""
+        self.grad_buffers.start_grad_sync()
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Complete every reduction. Without the distributed optimizer, ``param.grad`` then holds the synced
+        grad (a view of ``main_grad`` when dtypes match), so any torch.optim optimizer can step."""
+        self.grad_buffers.finish_grad_sync(force_all_reduce)
+        if self.ddp_config.use_distributed_optimizer and not force_all_reduce:
+            return  # only this rank's shard is reduced; the DistributedOptimizer reads main_grad
+        for param in self.params_with_grad:
+            main_grad: torch.Tensor = param.main_grad  # type: ignore[attr-defined]
+            param.grad = main_grad if main_grad.dtype == param.dtype else main_grad.to(param.dtype)
+
+    def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
+        self.grad_buffers.scale_gradients(scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        """Zero all grads and start a new iteration; call it at the start of every iteration."""
+        for param in self.params_with_grad:
+            param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+            param.grad = None
+        self.grad_buffers.reset()
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
+        """Gather params after a distributed-optimizer step (async with overlap_param_gather)."""
+        if not force_sync and self.overlap_param_gather_with_optimizer_step and not force_dispatch:
+            return
+        self.grad_buffers.start_param_sync(force_sync)
+
+    def broadcast_params(self) -> None:
+        """Copy rank 0's params (frozen ones too) to every data-parallel replica."""
+        for param in self.module.parameters():
+            expert = not getattr(param, "allreduce", True)
+            group = self.pg_collection.expt_dp if expert else self.pg_collection.dp_cp
+            assert group is not None
+            dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
+
+
+def _refuse_grad(name: str) -> Callable[[torch.Tensor], None]:
+    def hook(_: torch.Tensor) -> None:
+        raise RuntimeError(
+            f"param {name} was declared in unused_parameters but received a gradient; its grad would not "
+            "be synchronised. Remove it from unused_parameters."
+        )
+
+    return hook

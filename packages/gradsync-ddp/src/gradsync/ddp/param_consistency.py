@@ -1,0 +1,53 @@
+"""Check, before any gradient collective, that every DP rank wraps the same parameters.
+
+A rank whose model differs (another shape, a missing layer, a frozen param) would post different
+collectives and hang the job; comparing names, shapes, dtypes and requires_grad up front turns that into an
+error naming the first mismatch and the ranks involved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch import nn
+
+ParamSignature = tuple[str, tuple[int, ...], str, bool]
+
+
+def param_signatures(named_params: Sequence[tuple[str, nn.Parameter]]) -> list[ParamSignature]:
+    return [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in named_params]
+
+
+def _first_difference(mine: list[ParamSignature], theirs: list[ParamSignature]) -> str:
+    for index, (a, b) in enumerate(zip(mine, theirs, strict=False)):
+        if a != b:
+            return f"param #{index}: {_describe(a)} vs {_describe(b)}"
+    shorter, longer = (mine, theirs) if len(mine) < len(theirs) else (theirs, mine)
+    extra = longer[len(shorter)]
+    return f"param count {len(mine)} vs {len(theirs)}; first extra param: {_describe(extra)}"
+
+
+def _describe(sig: ParamSignature) -> str:
+    name, shape, dtype, requires_grad = sig
+    return f"{name} (shape {list(shape)}, {dtype}, requires_grad={requires_grad})"
+
+
+def check_params_match_across_ranks(
+    named_params: Sequence[tuple[str, nn.Parameter]], group: dist.ProcessGroup
+) -> None:
+    """Raise ``ValueError`` on every rank if any rank of ``group`` wraps different params."""
+    mine = param_signatures(named_params)
+    everyone: list[list[ParamSignature] | None] = [None] * group.size()
+    dist.all_gather_object(everyone, mine, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    reference = everyone[0]
+    assert reference is not None
+    for position, theirs in enumerate(everyone[1:], start=1):
+        assert theirs is not None
+        if theirs != reference:
+            raise ValueError(
+                f"DistributedDataParallel: the model differs between data-parallel ranks {ranks[0]} and "
+                f"{ranks[position]}: {_first_difference(reference, theirs)}. Every DP rank must wrap the "
+                "same parameters (names, shapes, dtypes, requires_grad)."
+            )
