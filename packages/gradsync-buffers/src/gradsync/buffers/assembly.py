@@ -43,7 +43,22 @@ class GradBuffers:
         return self.bucket_groups + self.expert_parallel_bucket_groups
 
     def reset(self) -> None:
-        """Zero every grad and start a new iteration in every bucket group."""
+        """Zero every grad and start a new iteration in every bucket group.
+
+        After the first iteration in which backward reported grads, every param must have reported one:
+        a param that never did would leave its group waiting forever, so it is named here.
+        """
+        first = [g for g in self.all_bucket_groups if g.is_first_batch]
+        if any(g.per_param_grad_ready_counts for g in first):
+            missing = sorted(
+                g.param_names[p] for g in first for p in g.params if p not in g.per_param_grad_ready_counts
+            )
+            if missing:
+                raise RuntimeError(
+                    f"{len(missing)} params got no grad in the first iteration: {', '.join(missing)}. Every "
+                    "param must receive a grad in every iteration: freeze params that are never used "
+                    "(requires_grad=False) or declare them unused to the wrapper."
+                )
         for buffer in self.all_buffers:
             buffer.reset()
         for group in self.all_bucket_groups:

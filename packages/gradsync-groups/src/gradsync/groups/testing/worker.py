@@ -73,6 +73,8 @@ def worker_main(spec: WorkerSpec, tasks: Queue[bytes | None], outcomes: Queue[Ou
     os.environ["RANK"] = str(spec.rank)
     os.environ["WORLD_SIZE"] = str(spec.world_size)
     os.environ["LOCAL_RANK"] = str(spec.rank)
+    # Ranks share the machine's cores: one intra-op thread pool each would oversubscribe them.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
     if spec.backend == "nccl":
         torch.cuda.set_device(spec.rank % torch.cuda.device_count())
     try:

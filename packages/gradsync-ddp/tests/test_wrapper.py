@@ -1,0 +1,212 @@
+"""The DDP wrapper: delegation, broadcast, hooks, consistency check, unused params, plain optimizers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_testkit import TinyGPT, Trainer, flat_params, local_microbatches
+from torch import nn
+
+from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.ddp import DistributedDataParallel
+from gradsync.groups import ModelParallelConfig, ProcessGroupCollection, initialize_model_parallel
+from gradsync.groups.testing import run_distributed
+
+CONFIG = ModelParallelConfig()
+
+
+def delegation_and_broadcast() -> None:
+    rank = dist.get_rank()
+    model = TinyGPT(seed=rank)  # every rank starts differently
+    frozen = model.ln_f.bias
+    frozen.requires_grad_(False)
+    ddp = DistributedDataParallel(CONFIG, DistributedDataParallelConfig(), model)
+    assert set(ddp.state_dict()) == set(model.state_dict())
+    assert not any(k.startswith("module.") for k in ddp.state_dict())
+    ddp.load_state_dict(model.state_dict())
+    batch = local_microbatches(0, rank, 2, 1)[0]
+    assert torch.equal(ddp(batch), model(batch))
+    ddp.broadcast_params()
+    params = flat_params(model)
+    reference = params.clone()
+    dist.broadcast(reference, src=0)
+    assert torch.equal(params, reference)  # frozen params included
+    assert torch.equal(params, flat_params(TinyGPT(seed=0)))
+    assert frozen not in ddp.param_to_bucket_group
+
+
+def test_delegation_and_broadcast_params() -> None:
+    run_distributed(delegation_and_broadcast, 2)
+
+
+class TwiceUsed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.shared(torch.tanh(self.shared(x)))).sum()  # type: ignore[no-any-return]
+
+
+def param_used_twice() -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = TwiceUsed()
+    config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=10)
+    ddp = DistributedDataParallel(CONFIG, config, model)
+    calls: dict[str, int] = {}
+    for name, param in model.named_parameters():
+        param.register_post_accumulate_grad_hook(lambda _, n=name: calls.__setitem__(n, calls.get(n, 0) + 1))
+    for step in range(3):
+        ddp.zero_grad_buffer()
+        calls.clear()
+        x = torch.full((2, 4), float(rank + step))
+        ddp(x).backward()
+        group = ddp.param_to_bucket_group[model.shared.weight]
+        if step > 0:
+            assert group.grad_reduce_dispatched  # dispatched from the hooks, before finish_grad_sync
+        ddp.finish_grad_sync()
+    # Autograd sums both uses before AccumulateGrad runs: one hook call, one readiness count, per backward.
+    assert calls["shared.weight"] == 1
+    assert group.golden_per_param_grad_ready_counts[model.shared.weight] == 1
+    reference = TwiceUsed()
+    for r in range(world):
+        reference(torch.full((2, 4), float(r + 2))).backward()
+    expected = reference.shared.weight.grad / world  # type: ignore[operator]
+    assert torch.allclose(model.shared.weight.grad, expected, rtol=1e-6, atol=1e-7)  # type: ignore[arg-type]
+    return model.shared.weight.grad.reshape(-1).tolist()  # type: ignore[union-attr]
+
+
+def test_hook_counts_for_a_param_used_twice() -> None:
+    results = run_distributed(param_used_twice, 2)
+    assert results[0] == results[1]
+
+
+def mismatched_models() -> None:
+    rank = dist.get_rank()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3 if rank == 1 else 2))
+    with pytest.raises(ValueError, match=r"the model differs between data-parallel ranks 0 and 1: param #2: 1\.weight \(shape \[2, 4\]"):
+        DistributedDataParallel(CONFIG, DistributedDataParallelConfig(), model)
+
+
+def test_mismatched_models_fail_before_any_gradient_collective() -> None:
+    run_distributed(mismatched_models, 2)
+
+
+class WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x).sum()  # type: ignore[no-any-return]
+
+
+def unused_params() -> None:
+    config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=10)
+    ddp = DistributedDataParallel(CONFIG, config, WithUnused())
+    ddp.zero_grad_buffer()
+    ddp(torch.ones(2, 4)).backward()
+    with pytest.raises(RuntimeError, match=r"got no grad in the first iteration: unused\.bias, unused\.weight"):
+        ddp.zero_grad_buffer()
+    declared = DistributedDataParallel(CONFIG, config, WithUnused(), unused_parameters=("unused.weight", "unused.bias"))
+    for _ in range(3):
+        declared.zero_grad_buffer()
+        declared(torch.ones(2, 4)).backward()
+        declared.finish_grad_sync()
+    assert declared.module.unused.weight.grad is None
+    wrong = DistributedDataParallel(CONFIG, config, WithUnused(), unused_parameters=("used.bias",))
+    with pytest.raises(RuntimeError, match="param used.bias was declared in unused_parameters but received a gradient"):
+        wrong(torch.ones(2, 4)).backward()
+    with pytest.raises(ValueError, match=r"unused_parameters names params the module does not have: \['nope'\]"):
+        DistributedDataParallel(CONFIG, config, WithUnused(), unused_parameters=("nope",))
+
+
+def test_unused_params_are_named_or_declared() -> None:
+    run_distributed(unused_params, 1)
+
+
+def unused_after_first_iteration() -> None:
+    config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=10)
+    model = WithUnused()
+    ddp = DistributedDataParallel(CONFIG, config, model)
+    ddp.zero_grad_buffer()
+    (ddp.module.used(torch.ones(2, 4)).sum() + ddp.module.unused(torch.ones(2, 4)).sum()).backward()
+    ddp.finish_grad_sync()
+    ddp.zero_grad_buffer()
+    ddp(torch.ones(2, 4)).backward()
+    with pytest.raises(RuntimeError, match=r"Params that never got a grad: unused\.(bias|weight)"):
+        ddp.finish_grad_sync()
+
+
+def test_a_param_that_stops_getting_grads_is_named() -> None:
+    run_distributed(unused_after_first_iteration, 1)
+
+
+def plain_optimizer_views() -> None:
+    model = TinyGPT()
+    ddp = DistributedDataParallel(CONFIG, DistributedDataParallelConfig(), model)
+    ddp.zero_grad_buffer()
+    ddp(local_microbatches(0, dist.get_rank(), 2, 1)[0]).backward()
+    ddp.finish_grad_sync()
+    for param in model.parameters():
+        assert param.grad is not None
+        assert param.grad.data_ptr() == param.main_grad.data_ptr()  # type: ignore[attr-defined]
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    opt.step()
+    opt.zero_grad()
+    ddp.zero_grad_buffer()
+    assert all(p.grad is None for p in model.parameters())
+    assert not ddp.buffers[0].grad_data.any()
+    bf16 = TinyGPT().to(torch.bfloat16)
+    mixed = DistributedDataParallel(CONFIG, DistributedDataParallelConfig(grad_reduce_in_fp32=True), bf16)
+    mixed.zero_grad_buffer()
+    mixed(local_microbatches(0, dist.get_rank(), 2, 1)[0]).backward()
+    mixed.finish_grad_sync()
+    for param in bf16.parameters():
+        assert param.grad is not None
+        assert param.grad.dtype == torch.bfloat16
+        assert torch.equal(param.grad, param.main_grad.to(torch.bfloat16))  # type: ignore[attr-defined]
+
+
+def test_plain_optimizers_see_synced_grads_as_views() -> None:
+    run_distributed(plain_optimizer_views, 2)
+
+
+def explicit_groups_and_single_buckets() -> None:
+    rank = dist.get_rank()
+    groups = initialize_model_parallel(tensor_model_parallel_size=2)  # dp groups {0,2} and {1,3}
+    model = nn.Linear(3, 3, bias=False)
+    config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=1)
+    ddp = DistributedDataParallel(CONFIG, config, model, pg_collection=groups)
+    assert len(ddp.bucket_groups) == 1  # a single param: a single bucket anyway
+    ddp.buffers[0].grad_data.fill_(float(rank))
+    ddp.finish_grad_sync()
+    peers = dist.get_process_group_ranks(groups.dp)  # type: ignore[arg-type]
+    assert torch.equal(ddp.buffers[0].grad_data, torch.full((9,), sum(peers) / 2))
+    deep = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    assert len(DistributedDataParallel(CONFIG, config, deep, disable_bucketing=True).bucket_groups) == 1
+    pp_later = ProcessGroupCollection(dp=groups.dp, pp=groups.tp)  # tp stands in for a 2-stage pipeline
+    single = DistributedDataParallel(CONFIG, config, nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), pg_collection=pp_later)
+    pp_rank = groups.tp.rank()  # type: ignore[union-attr]
+    assert len(single.buffers[0].buckets) == (1 if pp_rank > 0 else 4)
+    with pytest.raises(ValueError, match="dp process group is required but not provided in pg_collection"):
+        DistributedDataParallel(CONFIG, config, nn.Linear(2, 2), pg_collection=ProcessGroupCollection(tp=groups.tp))
+
+
+def test_explicit_groups_pipeline_rank_and_disabled_bucketing() -> None:
+    run_distributed(explicit_groups_and_single_buckets, 4)
+
+
+def trainer_survives_plain_use() -> None:
+    trainer = Trainer.build(DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=600), "sgd")
+    for step in range(2):
+        trainer.step(step, dist.get_rank(), 2, 1)
+
+
+def test_trainer_smoke() -> None:
+    run_distributed(trainer_survives_plain_use, 2)
