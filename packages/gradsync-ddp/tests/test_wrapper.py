@@ -87,7 +87,10 @@ def test_hook_counts_for_a_param_used_twice() -> None:
 def mismatched_models() -> None:
     rank = dist.get_rank()
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3 if rank == 1 else 2))
-    with pytest.raises(ValueError, match=r"the model differs between data-parallel ranks 0 and 1: param #2: 1\.weight \(shape \[2, 4\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"the model differs between data-parallel ranks 0 and 1: param #2: 1\.weight \(shape \[2, 4\]",
+    ):
         DistributedDataParallel(CONFIG, DistributedDataParallelConfig(), model)
 
 
@@ -111,18 +114,26 @@ def unused_params() -> None:
     ddp = DistributedDataParallel(CONFIG, config, WithUnused())
     ddp.zero_grad_buffer()
     ddp(torch.ones(2, 4)).backward()
-    with pytest.raises(RuntimeError, match=r"got no grad in the first iteration: unused\.bias, unused\.weight"):
+    with pytest.raises(
+        RuntimeError, match=r"got no grad in the first iteration: unused\.bias, unused\.weight"
+    ):
         ddp.zero_grad_buffer()
-    declared = DistributedDataParallel(CONFIG, config, WithUnused(), unused_parameters=("unused.weight", "unused.bias"))
+    declared = DistributedDataParallel(
+        CONFIG, config, WithUnused(), unused_parameters=("unused.weight", "unused.bias")
+    )
     for _ in range(3):
         declared.zero_grad_buffer()
         declared(torch.ones(2, 4)).backward()
         declared.finish_grad_sync()
     assert declared.module.unused.weight.grad is None
     wrong = DistributedDataParallel(CONFIG, config, WithUnused(), unused_parameters=("used.bias",))
-    with pytest.raises(RuntimeError, match="param used.bias was declared in unused_parameters but received a gradient"):
+    with pytest.raises(
+        RuntimeError, match="param used.bias was declared in unused_parameters but received a gradient"
+    ):
         wrong(torch.ones(2, 4)).backward()
-    with pytest.raises(ValueError, match=r"unused_parameters names params the module does not have: \['nope'\]"):
+    with pytest.raises(
+        ValueError, match=r"unused_parameters names params the module does not have: \['nope'\]"
+    ):
         DistributedDataParallel(CONFIG, config, WithUnused(), unused_parameters=("nope",))
 
 
@@ -191,11 +202,15 @@ def explicit_groups_and_single_buckets() -> None:
     deep = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     assert len(DistributedDataParallel(CONFIG, config, deep, disable_bucketing=True).bucket_groups) == 1
     pp_later = ProcessGroupCollection(dp=groups.dp, pp=groups.tp)  # tp stands in for a 2-stage pipeline
-    single = DistributedDataParallel(CONFIG, config, nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), pg_collection=pp_later)
+    single = DistributedDataParallel(
+        CONFIG, config, nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), pg_collection=pp_later
+    )
     pp_rank = groups.tp.rank()  # type: ignore[union-attr]
     assert len(single.buffers[0].buckets) == (1 if pp_rank > 0 else 4)
     with pytest.raises(ValueError, match="dp process group is required but not provided in pg_collection"):
-        DistributedDataParallel(CONFIG, config, nn.Linear(2, 2), pg_collection=ProcessGroupCollection(tp=groups.tp))
+        DistributedDataParallel(
+            CONFIG, config, nn.Linear(2, 2), pg_collection=ProcessGroupCollection(tp=groups.tp)
+        )
 
 
 def test_explicit_groups_pipeline_rank_and_disabled_bucketing() -> None:

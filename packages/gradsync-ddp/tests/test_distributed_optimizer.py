@@ -1,0 +1,206 @@
+"""DistributedOptimizer: sharded state, grad clipping, checkpoints (bit-exact resume, other DP sizes),
+and results that do not depend on collective timing."""
+
+from __future__ import annotations
+
+import io
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_testkit import TinyGPT, Trainer, flat_params, global_batch, make_optimizer, max_relative_difference
+
+from gradsync.buffers import DistributedDataParallelConfig, collectives
+from gradsync.groups.testing import run_distributed
+
+DISTOPT = DistributedDataParallelConfig(
+    use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=600
+)
+GATHER = DistributedDataParallelConfig(
+    use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=600
+)
+
+
+def state_numel() -> tuple[int, int, int]:
+    trainer = Trainer.build(DISTOPT, "adam")
+    trainer.step(0, dist.get_rank(), dist.get_world_size(), 1)
+    state = trainer.optimizer.optimizer.state
+    per_rank = sum(v.numel() for s in state.values() for v in s.values() if v.dim() > 0)
+    total = sum(p.numel() for p in trainer.model.parameters())
+    padded = trainer.ddp.buffers[0].numel
+    return per_rank, total, padded
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_optimizer_state_per_rank_is_about_one_over_dp(world: int) -> None:
+    results = run_distributed(state_numel, world)
+    total, padded = results[0][1], results[0][2]
+    assert sum(r[0] for r in results) == 2 * total  # exp_avg and exp_avg_sq, each element owned once
+    for per_rank, _, _ in results:
+        assert per_rank <= 2 * padded // world
+
+
+def clipped_training(max_norm: float) -> tuple[list[float], torch.Tensor]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = Trainer.build(DISTOPT, "sgd")
+    norms = []
+    for step in range(5):
+        trainer.ddp.zero_grad_buffer()
+        trainer.optimizer.zero_grad()
+        rows = global_batch(step, world, 1).chunk(world)[rank]
+        trainer.ddp(rows).backward()
+        trainer.ddp.finish_grad_sync()
+        norms.append(trainer.optimizer.clip_grad_norm(max_norm))
+        trainer.optimizer.step()
+    return norms, trainer.full_params()
+
+
+def test_grad_norm_clipping_matches_one_process() -> None:
+    world, max_norm = 4, 0.5
+    norms, params = run_distributed(clipped_training, world, args=(max_norm,))[0]
+    model = TinyGPT()
+    opt = make_optimizer("sgd", model.parameters())
+    for step in range(5):
+        opt.zero_grad()
+        model(global_batch(step, world, 1)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        assert norms[step] == pytest.approx(float(norm), rel=1e-5)
+        opt.step()
+    assert max(norms) > max_norm  # clipping was active
+    assert max_relative_difference(params, flat_params(model)) <= 1e-6
+
+
+def run_steps(trainer: Trainer, steps: range, world: int) -> None:
+    for step in steps:
+        trainer.step(step, dist.get_rank(), world, 1)
+
+
+def resume_is_bit_exact(config: DistributedDataParallelConfig, optimizer: str, sharded: bool) -> None:
+    world = dist.get_world_size()
+    uninterrupted = Trainer.build(config, optimizer)
+    run_steps(uninterrupted, range(20), world)
+    first = Trainer.build(config, optimizer)
+    run_steps(first, range(10), world)
+    model_state = {k: v.clone() for k, v in first.ddp.state_dict().items()}
+    if config.use_distributed_optimizer:
+        if sharded:
+            mine = first.optimizer.sharded_state_dict()
+            shards: list[Any] = [None] * world
+            dist.all_gather_object(shards, mine)
+        else:
+            buffer = io.BytesIO()
+            torch.save(first.optimizer.state_dict(), buffer)
+    else:
+        buffer = io.BytesIO()
+        torch.save(first.optimizer.state_dict(), buffer)
+    resumed = Trainer.build(
+        config, optimizer, seed=123
+    )  # different init: everything must come from the checkpoint
+    resumed.ddp.load_state_dict(model_state)
+    if config.use_distributed_optimizer and sharded:
+        resumed.optimizer.load_sharded_state_dict(shards)
+    else:
+        buffer.seek(0)
+        resumed.optimizer.load_state_dict(torch.load(buffer, weights_only=False))
+    run_steps(resumed, range(10, 20), world)
+    assert torch.equal(resumed.full_params(), uninterrupted.full_params())
+
+
+@pytest.mark.parametrize(
+    ("config", "optimizer", "sharded"),
+    [
+        (DISTOPT, "sgd", False),
+        (DISTOPT, "adam", False),
+        (DISTOPT, "adam", True),
+        (GATHER, "adam", False),
+        (DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=600), "adam", False),
+    ],
+    ids=["distopt-sgd", "distopt-adam", "distopt-adam-sharded", "param-gather-adam", "plain-adam"],
+)
+def test_resume_at_step_10_is_bit_identical(
+    config: DistributedDataParallelConfig, optimizer: str, sharded: bool
+) -> None:
+    run_distributed(resume_is_bit_exact, 2, args=(config, optimizer, sharded))
+
+
+def save_at_dp(path: str, sharded: bool) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = Trainer.build(DISTOPT, "adam")
+    run_steps(trainer, range(10), world)
+    if sharded:
+        torch.save(trainer.optimizer.sharded_state_dict(), f"{path}.shard{rank}")
+    state = trainer.optimizer.state_dict()
+    if rank == 0:
+        torch.save({"model": trainer.ddp.state_dict(), "optimizer": state}, path)
+
+
+def load_at_dp(path: str, saved_world: int, sharded: bool) -> torch.Tensor:
+    world = dist.get_world_size()
+    checkpoint = torch.load(path, weights_only=False)
+    trainer = Trainer.build(DISTOPT, "adam", seed=7)
+    trainer.ddp.load_state_dict(checkpoint["model"])
+    if sharded:
+        trainer.optimizer.load_sharded_state_dict(
+            [torch.load(f"{path}.shard{r}", weights_only=False) for r in range(saved_world)]
+        )
+    else:
+        trainer.optimizer.load_state_dict(checkpoint["optimizer"])
+    run_steps(trainer, range(10, 20), world)
+    return trainer.full_params()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_reload_at_another_dp_size(tmp_path: Path, sharded: bool) -> None:
+    path = str(tmp_path / "checkpoint.pt")
+    run_distributed(save_at_dp, 4, args=(path, sharded))
+    params = run_distributed(load_at_dp, 2, args=(path, 4, sharded))[0]
+    model = TinyGPT()
+    opt = make_optimizer("adam", model.parameters())
+    for step in range(20):  # 10 steps at the dp=4 global batch, then 10 at the dp=2 one
+        opt.zero_grad()
+        model(global_batch(step, 4 if step < 10 else 2, 1)).backward()
+        opt.step()
+    assert max_relative_difference(params, flat_params(model)) <= 1e-6
+
+
+def delayed(function: Callable[..., Any], rng: random.Random) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(rng.uniform(0, 0.003))
+        return function(*args, **kwargs)
+
+    return call
+
+
+def train_with_delays(config: DistributedDataParallelConfig, inject: bool) -> torch.Tensor:
+    names = ("all_reduce", "broadcast", "all_gather_into_tensor", "all_to_all_single")
+    originals = {name: getattr(dist, name) for name in names}
+    original_rs = collectives.dist_reduce_scatter_func
+    if inject:
+        rng = random.Random(dist.get_rank())
+        for name in names:
+            setattr(dist, name, delayed(originals[name], rng))
+        collectives.dist_reduce_scatter_func = delayed(original_rs, rng)
+    try:
+        trainer = Trainer.build(config, "adam")
+        run_steps(trainer, range(6), dist.get_world_size())
+        return trainer.full_params()
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
+        collectives.dist_reduce_scatter_func = original_rs
+
+
+@pytest.mark.parametrize(
+    "config",
+    [GATHER, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=600)],
+    ids=["distopt-gather", "overlap"],
+)
+def test_delays_before_collectives_change_no_result(config: DistributedDataParallelConfig) -> None:
+    plain = run_distributed(train_with_delays, 2, args=(config, False))[0]
+    slow = run_distributed(train_with_delays, 2, args=(config, True))[0]
+    assert torch.equal(plain, slow)
