@@ -128,7 +128,7 @@ def unused_params() -> None:
     assert declared.module.unused.weight.grad is None
     wrong = DistributedDataParallel(CONFIG, config, WithUnused(), unused_parameters=("used.bias",))
     with pytest.raises(
-        RuntimeError, match="param used.bias was declared in unused_parameters but received a gradient"
+        RuntimeError, match=r"param used\.bias was declared in unused_parameters but received a gradient"
     ):
         wrong(torch.ones(2, 4)).backward()
     with pytest.raises(
