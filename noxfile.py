@@ -183,6 +183,13 @@ def bench_buffers(session: nox.Session) -> None:
     session.run("python", pkg_dir("buffers") + "/benchmarks/bench_collectives.py", *session.posargs)
 
 
+@nox.session(name="bench-ddp")
+def bench_ddp(session: nox.Session) -> None:
+    """Benchmark (not a test): gradsync DDP vs torch DDP vs the compute floor on a ~23M-param GPT."""
+    install_local(session, "ddp", extra=("numpy",))
+    session.run("python", pkg_dir("ddp") + "/benchmarks/bench_ddp.py", *session.posargs)
+
+
 @nox.session
 def train(session: nox.Session) -> None:
     """The main job. Placeholder until the integration issue lands: a 2-rank torchrun smoke run."""

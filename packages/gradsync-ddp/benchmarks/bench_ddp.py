@@ -1,0 +1,165 @@
+"""Benchmark (not a test): gradsync DDP against torch DDP and the compute floor, in one run.
+
+    python benchmarks/bench_ddp.py [--worlds 2 4] [--steps 6]
+
+A ~23M-parameter GPT, fp32, on gloo ranks of this machine. The compute floor is the same model and
+per-rank batch in one process with the same per-rank thread share and no communication; every step time
+is also given as a ratio to it. Columns break a step into forward+backward, the wait in
+finish_grad_sync, and the optimizer step (which includes the distributed optimizer's param gather).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.ddp import DistributedDataParallel, DistributedOptimizer
+from gradsync.groups import ModelParallelConfig
+from gradsync.groups.testing import run_distributed
+
+VOCAB, DIM, LAYERS, HEADS, SEQ, BATCH = 8192, 512, 6, 8, 128, 4
+BUCKET_ELEMENTS = 4_000_000  # 16 MB of fp32 grads per bucket, for both gradsync and torch DDP
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        self.fc, self.out = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, DIM)
+        )
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))  # type: ignore[no-any-return]
+
+
+class GPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.Sequential(*(Block() for _ in range(LAYERS)))
+        self.ln_f = nn.LayerNorm(DIM)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.embedding(tokens))
+        logits = self.ln_f(x) @ self.embedding.weight.T
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+@contextmanager
+def timed(into: list[float]) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    into.append(time.perf_counter() - start)
+
+
+def run_variant(variant: str, steps: int, threads: int) -> dict[str, float]:
+    torch.set_num_threads(threads)
+    model = GPT()
+    sync: Any = None
+    if variant == "torch DDP":
+        wrapped: nn.Module = torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=BUCKET_ELEMENTS * 4 / 2**20
+        )
+    elif variant.startswith("gradsync"):
+        config = DistributedDataParallelConfig(
+            overlap_grad_reduce="overlap" in variant,
+            use_distributed_optimizer="distopt" in variant,
+            overlap_param_gather="param gather" in variant,
+            bucket_size=BUCKET_ELEMENTS,
+        )
+        wrapped = sync = DistributedDataParallel(ModelParallelConfig(), config, model)
+    else:
+        wrapped = model
+    optimizer: Any = torch.optim.SGD(wrapped.parameters(), lr=1e-3, momentum=0.9)
+    if sync is not None and sync.ddp_config.use_distributed_optimizer:
+        optimizer = DistributedOptimizer(optimizer, sync)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    generator = torch.Generator().manual_seed(rank)
+    compute: list[float] = []
+    waits: list[float] = []
+    updates: list[float] = []
+    totals: list[float] = []
+    for step in range(steps + 2):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+        start = time.perf_counter()
+        if sync is not None:
+            sync.zero_grad_buffer()
+        optimizer.zero_grad()
+        with timed(compute):
+            wrapped(tokens).backward()
+        with timed(waits):
+            if sync is not None:
+                sync.finish_grad_sync()
+        with timed(updates):
+            optimizer.step()
+        totals.append(time.perf_counter() - start)
+        if step < 2:  # warm-up
+            compute.clear(), waits.clear(), updates.clear(), totals.clear()
+    return {
+        "step": statistics.median(totals),
+        "compute": statistics.median(compute),
+        "wait": statistics.median(waits),
+        "update": statistics.median(updates),
+        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+VARIANTS = [
+    "torch DDP",
+    "gradsync DDP",
+    "gradsync DDP overlap",
+    "gradsync DDP distopt",
+    "gradsync DDP distopt overlap",
+    "gradsync DDP distopt overlap param gather",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2])
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    params = sum(p.numel() for p in GPT().parameters())
+    cores = os.cpu_count() or 1
+    print(f"model: {params / 1e6:.1f}M params, fp32, batch {BATCH}x{SEQ} tokens per rank, {cores} cores")
+    for world in args.worlds:
+        threads = max(1, cores // world)
+        floor = run_distributed(run_variant, 1, args=("floor", args.steps, threads), reuse=False)[0]
+        print(f"\n{world} ranks ({threads} thread(s) each); floor = 1 rank, same batch, no communication\n")
+        print(
+            "| variant | step ms | x floor | fwd+bwd ms | grad-sync wait ms | optimizer ms | peak RSS MB | x floor RSS |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        rows = [("compute floor", floor)]
+        for variant in VARIANTS:
+            results = run_distributed(
+                run_variant, world, args=(variant, args.steps, threads), reuse=False, timeout=1200
+            )
+            rows.append((variant, max(results, key=lambda r: r["step"])))
+        for name, r in rows:
+            cells = [name, f"{r['step'] * 1e3:.0f}", f"{r['step'] / floor['step']:.3f}"]
+            cells += [f"{r[k] * 1e3:.0f}" for k in ("compute", "wait", "update")]
+            cells += [f"{r['rss_mb']:.0f}", f"{r['rss_mb'] / floor['rss_mb']:.2f}"]
+            print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
