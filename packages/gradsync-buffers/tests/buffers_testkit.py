@@ -46,3 +46,10 @@ def emulate_backward(
         for group in buffers.all_bucket_groups:
             if param in group.params:
                 group.register_grad_ready(param)
+
+
+def finish_first_iteration(buffers: GradBuffers, model: nn.Module) -> None:
+    """Run the counting first iteration, so later ones dispatch from readiness."""
+    emulate_backward(buffers, model)
+    buffers.finish_grad_sync()
+    buffers.reset()

@@ -178,7 +178,7 @@ def missing_groups_are_named() -> None:
     from gradsync.groups import ProcessGroupCollection
 
     model = toy_model(num_layers=1)
-    with pytest.raises(ValueError, match="pg_collection needs one of intra_dp_cp, dp_cp, dp"):
+    with pytest.raises(ValueError, match="pg_collection needs one of dp_cp, dp"):
         build_grad_buffers(
             list(model.named_parameters()), DistributedDataParallelConfig(), ProcessGroupCollection()
         )

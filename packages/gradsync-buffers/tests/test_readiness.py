@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from buffers_testkit import buffers_for, emulate_backward, model_parallel, toy_model
+from buffers_testkit import buffers_for, emulate_backward, finish_first_iteration, model_parallel, toy_model
 
 from gradsync.buffers import DistributedDataParallelConfig
 from gradsync.groups.testing import run_distributed
@@ -68,9 +68,7 @@ def never_ready_group_names_the_missing_param() -> None:
     with model_parallel() as groups:
         model = toy_model(num_layers=2)
         buffers = buffers_for(model, OVERLAP, groups)
-        emulate_backward(buffers, model)
-        buffers.finish_grad_sync()
-        buffers.reset()
+        finish_first_iteration(buffers, model)
         emulate_backward(buffers, model, skip=frozenset({"0.weight"}))
         stuck = [g for g in buffers.bucket_groups if not g.grad_reduce_dispatched]
         assert len(stuck) == 1
@@ -115,9 +113,7 @@ def no_sync_keeps_counting_off() -> None:
     with model_parallel() as groups:
         model = toy_model(num_layers=2)
         buffers = buffers_for(model, OVERLAP, groups)
-        emulate_backward(buffers, model)
-        buffers.finish_grad_sync()
-        buffers.reset()
+        finish_first_iteration(buffers, model)
         for group in buffers.bucket_groups:
             group.is_last_microbatch = False  # what no_sync does
         emulate_backward(buffers, model)

@@ -64,3 +64,15 @@ def test_matches_single_process_training(case: tuple[int, str, dict[str, bool], 
     results = run_distributed(train_and_check_replicas, world, args=(kwargs, optimizer, micro))
     difference = max_relative_difference(results[0], reference(optimizer, world, micro))
     assert difference <= 1e-6, difference
+
+
+def test_aligned_param_gather_matches_single_process_training() -> None:
+    """align_param_gather: every group's gather is dispatched at the end of the step; pre-hooks only wait."""
+    kwargs = {
+        "overlap_grad_reduce": True,
+        "use_distributed_optimizer": True,
+        "overlap_param_gather": True,
+        "align_param_gather": True,
+    }
+    results = run_distributed(train_and_check_replicas, 2, args=(kwargs, "adam", 1))
+    assert max_relative_difference(results[0], reference("adam", 2, 1)) <= 1e-6
