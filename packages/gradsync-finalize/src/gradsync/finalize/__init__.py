@@ -1,9 +1,19 @@
 """gradsync.finalize (layer 4): finalize_model_grads across DP, TP/sequence-parallel, PP-tied embeddings and
 expert parallel.
 
-Skeleton only for now: the package exists so that its tests, type check and layering run from day one.
+It works on any data-parallel wrapper that meets the Protocols in :mod:`.protocol`; it imports neither
+gradsync-ddp nor gradsync-fsdp.
 """
 
+from .finalize import finalize_model_grads, get_model_config
+from .protocol import EmbeddingOwner, FinalizableChunk, GradSyncConfig
 from .version import __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "EmbeddingOwner",
+    "FinalizableChunk",
+    "GradSyncConfig",
+    "__version__",
+    "finalize_model_grads",
+    "get_model_config",
+]

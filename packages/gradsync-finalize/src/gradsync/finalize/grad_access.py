@@ -1,0 +1,59 @@
+"""Reading and writing a param's gradient the way every wrapper stores it.
+
+DDP-style wrappers keep the grad in ``main_grad`` (used when the attribute exists, even if None); others
+use ``.grad``. FSDP grads may be DTensors: they are reduced as full tensors and redistributed to their
+original placements, so the reductions here never see a shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from gradsync.groups import get_backend_capabilities
+
+
+def grad_attribute(param: torch.Tensor) -> str:
+    return "main_grad" if hasattr(param, "main_grad") else "grad"
+
+
+def read_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The full (unsharded) gradient of ``param``, or None."""
+    grad = getattr(param, grad_attribute(param))
+    if isinstance(grad, DTensor):
+        return grad.full_tensor()
+    return grad  # type: ignore[no-any-return]
+
+
+def write_grad(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Store a reduced full gradient back, in place for plain tensors, redistributed for DTensors."""
+    attribute = grad_attribute(param)
+    original = getattr(param, attribute)
+    if isinstance(original, DTensor):
+        setattr(param, attribute, distribute_tensor(full, original.device_mesh, original.placements))
+    elif original.data_ptr() != full.data_ptr():
+        original.copy_(full)
+
+
+def all_reduce_grads(
+    params: Sequence[torch.Tensor], group: dist.ProcessGroup, *, average: bool = False
+) -> None:
+    """Sum (or average) the grads of ``params`` over ``group``, one flat collective per dtype."""
+    grads = [(p, read_grad(p)) for p in params]
+    by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for param, grad in grads:
+        if grad is not None:
+            by_dtype.setdefault(grad.dtype, []).append((param, grad))
+    trusted_avg = get_backend_capabilities(group).avg_trusted
+    for pairs in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for _, g in pairs])
+        op = dist.ReduceOp.AVG if average and trusted_avg else dist.ReduceOp.SUM
+        dist.all_reduce(flat, op=op, group=group)
+        if average and not trusted_avg:
+            flat.div_(group.size())
+        pieces = torch.split(flat, [g.numel() for _, g in pairs])
+        for (param, grad), reduced in zip(pairs, pieces, strict=True):
+            write_grad(param, reduced.view_as(grad))
