@@ -16,6 +16,8 @@ import torch.distributed as dist
 from ddp_testkit import TinyGPT, Trainer, flat_params, global_batch, make_optimizer, max_relative_difference
 
 from gradsync.buffers import DistributedDataParallelConfig, collectives
+from gradsync.ddp import DistributedDataParallel, DistributedOptimizer
+from gradsync.groups import ModelParallelConfig
 from gradsync.groups.testing import run_distributed
 
 DISTOPT = DistributedDataParallelConfig(
@@ -204,3 +206,25 @@ def test_delays_before_collectives_change_no_result(config: DistributedDataParal
     plain = run_distributed(train_with_delays, 2, args=(config, False))[0]
     slow = run_distributed(train_with_delays, 2, args=(config, True))[0]
     assert torch.equal(plain, slow)
+
+
+def steps_without_optimizer_zero_grad(call_zero_grad: bool) -> torch.Tensor:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = TinyGPT().to(torch.bfloat16)  # bf16 main_grad: the shard grads are fp32 copies, not views
+    ddp = DistributedDataParallel(ModelParallelConfig(), DISTOPT, model)
+    trainer = Trainer(model, ddp, DistributedOptimizer(make_optimizer("sgd", ddp.parameters()), ddp))
+    for step in range(3):
+        trainer.ddp.zero_grad_buffer()
+        if call_zero_grad:
+            trainer.optimizer.zero_grad()
+        rows = global_batch(step, world, 1).chunk(world)[rank]
+        trainer.ddp(rows).float().backward()
+        trainer.ddp.finish_grad_sync()
+        trainer.optimizer.step()
+    return trainer.full_params()
+
+
+def test_each_step_reads_fresh_grads_even_without_optimizer_zero_grad() -> None:
+    with_zero_grad = run_distributed(steps_without_optimizer_zero_grad, 2, args=(True,))[0]
+    without = run_distributed(steps_without_optimizer_zero_grad, 2, args=(False,))[0]
+    assert torch.equal(with_zero_grad, without)

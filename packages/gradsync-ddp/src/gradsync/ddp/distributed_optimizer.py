@@ -91,6 +91,7 @@ class DistributedOptimizer:
         self.optimizer = type(optimizer)(new_groups, **optimizer.defaults)
         pg = self.model_chunks[0].pg_collection
         self.norm_group = pg.intra_dist_opt or dist.group.WORLD
+        self._grads_loaded = False  # shard grads read from main_grad for the current step
         self.tp_group = pg.tp
 
     @property
@@ -102,6 +103,7 @@ class DistributedOptimizer:
         """Drop the shard grads and zero every model chunk's grad buffers (a new iteration)."""
         for piece in self.pieces:
             piece.main.grad = None
+        self._grads_loaded = False
         for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
 
@@ -112,9 +114,18 @@ class DistributedOptimizer:
             return True
         return bool(getattr(piece.param, "tensor_model_parallel", False)) or tp.rank() == 0
 
-    def _load_grads(self) -> None:
+    def _ensure_grads_loaded(self) -> None:
+        """Read this step's reduced grads once (clipping and stepping share them)."""
+        if self._grads_loaded:
+            return
         for piece in self.pieces:
             piece.main.grad = piece.grad_slice().float()
+        self._grads_loaded = True
+
+    def _write_shards_into_params(self) -> None:
+        with torch.no_grad():
+            for piece in self.pieces:
+                piece.model_slice().copy_(piece.main)
 
     def get_grad_norm(self, norm_type: float = 2.0) -> float:
         """The global grad norm over every owned shard, across DP and the model-parallel groups."""
@@ -131,8 +142,7 @@ class DistributedOptimizer:
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale shard grads so the global norm is at most ``max_norm``; returns the norm before."""
-        if self.pieces and self.pieces[0].main.grad is None:
-            self._load_grads()
+        self._ensure_grads_loaded()
         total = self.get_grad_norm(norm_type)
         coefficient = max_norm / (total + 1e-6)
         if coefficient < 1.0:
@@ -145,12 +155,10 @@ class DistributedOptimizer:
         """Step the owned shards, write them into the param buffers, and gather the params."""
         if closure is not None:
             raise ValueError("DistributedOptimizer.step does not take a closure")
-        if any(p.main.grad is None for p in self.pieces):
-            self._load_grads()
+        self._ensure_grads_loaded()
         self.optimizer.step()
-        with torch.no_grad():
-            for piece in self.pieces:
-                piece.model_slice().copy_(piece.main)
+        self._grads_loaded = False  # the next step reads fresh grads, even without zero_grad()
+        self._write_shards_into_params()
         for chunk in self.model_chunks:
             if not chunk.ddp_config.overlap_param_gather or chunk.ddp_config.align_param_gather:
                 chunk.start_param_sync()  # sync, or dispatched now for all groups with align_param_gather
@@ -170,9 +178,7 @@ class DistributedOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a gathered state dict (from any DP size) on every rank, then gather the params."""
         load_state(self, state_dict)
-        with torch.no_grad():
-            for piece in self.pieces:
-                piece.model_slice().copy_(piece.main)
+        self._write_shards_into_params()
         for chunk in self.model_chunks:
             for group in chunk.grad_buffers.all_bucket_groups:
                 if group.param_gather_handle is not None:
