@@ -50,9 +50,7 @@ class GradBuffers:
         """
         first = [g for g in self.all_bucket_groups if g.is_first_batch]
         if any(g.per_param_grad_ready_counts for g in first):
-            missing = sorted(
-                g.param_names[p] for g in first for p in g.params if p not in g.per_param_grad_ready_counts
-            )
+            missing = sorted(name for g in first for name in g.params_without_grad())
             if missing:
                 raise RuntimeError(
                     f"{len(missing)} params got no grad in the first iteration: {', '.join(missing)}. Every "

@@ -58,6 +58,9 @@ class ParamAndGradBucketGroup:
 
         self.golden_per_param_grad_ready_counts: dict[Parameter, int] = {}
         self.per_param_grad_ready_counts: dict[Parameter, int] = {}
+        # Params whose count differs from the golden one: the group is ready when none does. Kept
+        # incrementally so that each hook call costs O(1) instead of comparing two dicts.
+        self._mismatched_counts = 0
         self.is_last_microbatch = True
         self.is_first_batch = True
         self.grad_reduce_handle: collectives.Launched | None = None
@@ -73,7 +76,7 @@ class ParamAndGradBucketGroup:
     def reset(self) -> None:
         """Start a new iteration; after the first one, record the golden readiness counts."""
         if self.is_first_batch and self.per_param_grad_ready_counts:
-            missing = self._params_without_grad()
+            missing = self.params_without_grad()
             if missing:
                 raise RuntimeError(
                     f"{len(missing)} of {len(self.params)} params of a bucket group got no grad in the first "
@@ -83,12 +86,14 @@ class ParamAndGradBucketGroup:
             self.golden_per_param_grad_ready_counts = dict(self.per_param_grad_ready_counts)
             self.is_first_batch = False
         self.per_param_grad_ready_counts = {}
+        self._mismatched_counts = len(self.golden_per_param_grad_ready_counts)
         self.is_last_microbatch = True
         self.grad_reduce_finished = False
         self.grad_reduce_dispatched = False
         self.stats.reset()
 
-    def _params_without_grad(self) -> list[str]:
+    def params_without_grad(self) -> list[str]:
+        """Names of the params that have reported no grad in this iteration."""
         return sorted(self.param_names[p] for p in self.params if p not in self.per_param_grad_ready_counts)
 
     def register_grad_ready(self, param: Parameter, force_all_reduce: bool = False) -> None:
@@ -99,11 +104,13 @@ class ParamAndGradBucketGroup:
             return
         if param not in self.params:
             raise ValueError(f"Param is not in the bucket group: {getattr(param, 'shape', param)}")
-        self.per_param_grad_ready_counts[param] = self.per_param_grad_ready_counts.get(param, 0) + 1
-        if (
-            not self.is_first_batch
-            and self.per_param_grad_ready_counts == self.golden_per_param_grad_ready_counts
-        ):
+        before = self.per_param_grad_ready_counts.get(param, 0)
+        self.per_param_grad_ready_counts[param] = before + 1
+        if self.is_first_batch:
+            return
+        golden = self.golden_per_param_grad_ready_counts.get(param, 0)
+        self._mismatched_counts += (before == golden) - (before + 1 == golden)
+        if self._mismatched_counts == 0:
             self.start_grad_sync(force_all_reduce)
 
     # --- gradient reduction ----------------------------------------------------------------------
@@ -183,12 +190,11 @@ class ParamAndGradBucketGroup:
         if self.is_first_batch and not self.grad_reduce_dispatched:
             self.start_grad_sync(force_all_reduce)
         if not self.grad_reduce_dispatched:
-            missing = [self.param_names[p] for p in self.params if p not in self.per_param_grad_ready_counts]
             none_missing = "(none; their counts differ from the first iteration's)"
             raise RuntimeError(
                 f"Communication call has not been issued for this bucket "
                 f"({len(self.per_param_grad_ready_counts)}/{len(self.params)} params have grad available). "
-                f"Params that never got a grad: {', '.join(sorted(missing)) or none_missing}"
+                f"Params that never got a grad: {', '.join(self.params_without_grad()) or none_missing}"
             )
         if self.grad_reduce_handle is not None:
             self.grad_reduce_handle.wait()
