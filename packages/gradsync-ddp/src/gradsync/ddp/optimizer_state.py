@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from .distributed_optimizer import DistributedOptimizer, ShardPiece
+    from .distributed_optimizer import DistributedOptimizer
 
 MAIN_PARAM_KEY = "param"
 
 
-def _is_elementwise(value: Any, piece: ShardPiece) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == piece.main.numel()
+def _is_elementwise(value: Any, numel: int) -> bool:
+    """A state tensor with one entry per param element (exp_avg), as opposed to a scalar (step)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
 
 
 def _hyperparams(opt: DistributedOptimizer) -> list[dict[str, Any]]:
@@ -33,7 +34,7 @@ def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
         pieces = [p for p in opt.pieces if p.buffer_key == key]
         group = buffer.data_parallel_group
         local_kinds = {
-            k: _is_elementwise(v, piece)
+            k: _is_elementwise(v, piece.main.numel())
             for piece in pieces
             for k, v in opt.optimizer.state.get(piece.main, {}).items()
         }
@@ -94,7 +95,7 @@ def merge_shards(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
             entry = state.setdefault(piece["name"], {})
             covered[piece["name"]] = covered.get(piece["name"], 0) + end - start
             for key, value in piece["state"].items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == end - start:
+                if _is_elementwise(value, end - start):
                     full = entry.setdefault(key, torch.zeros(numel, dtype=value.dtype))
                     full[start:end] = value
                 else:
@@ -136,7 +137,7 @@ def load_state(opt: DistributedOptimizer, state_dict: dict[str, Any]) -> None:
         start, end = piece.param_range
         restored: dict[str, Any] = {}
         for key, value in saved.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == piece.param.numel():
+            if _is_elementwise(value, piece.param.numel()):
                 sliced = value.reshape(-1)[start:end].to(piece.main.device)
                 if key == MAIN_PARAM_KEY:
                     with torch.no_grad():

@@ -90,6 +90,18 @@ def _embedding_chunk(
     return model[-1] if (getattr(config, "mtp_num_layers", None) or 0) > 0 else model[0]
 
 
+def _member_chunk(
+    model: Sequence[nn.Module],
+    config: Any,
+    group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None,
+) -> nn.Module | None:
+    """The chunk holding this rank's embedding, if ``group`` spans several ranks and this rank is in it."""
+    if group is None or group.size() <= 1 or dist.get_rank() not in dist.get_process_group_ranks(group):
+        return None
+    return _embedding_chunk(model, pp_group, config)
+
+
 def allreduce_word_embedding_grads(
     model: Sequence[nn.Module],
     config: Any,
@@ -97,12 +109,10 @@ def allreduce_word_embedding_grads(
     pp_group: dist.ProcessGroup | None,
 ) -> None:
     """Sum the tied embedding's grads between the first and the last pipeline stage (untied: skipped)."""
-    if _size(embd_group) <= 1:
+    chunk = _member_chunk(model, config, embd_group, pp_group)
+    if chunk is None:
         return
     assert embd_group is not None
-    if dist.get_rank() not in dist.get_process_group_ranks(embd_group):
-        return
-    chunk = _embedding_chunk(model, pp_group, config)
     owner = find_attribute_owner(chunk, "pre_process")
     tied = getattr(owner, "share_embeddings_and_output_weights", False) or getattr(
         config, "mtp_num_layers", None
@@ -117,9 +127,8 @@ def allreduce_word_embedding_grads(
         raise ValueError(
             "with use_distributed_optimizer the tied embedding/output weight must carry "
             "shared_embedding=True on both pipeline stages, so that it gets a bucket of its own and the same "
-            "shard ranges on both: "
-            "otherwise the reduce-scattered shards of the two stages do not line up and the summed grads are "
-            "wrong. Set weight.shared_embedding = True before wrapping."
+            "shard ranges on both: otherwise the reduce-scattered shards of the two stages do not line up "
+            "and the summed grads are wrong. Set weight.shared_embedding = True before wrapping."
         )
     all_reduce_grads([weight], embd_group)
 
@@ -131,13 +140,11 @@ def allreduce_position_embedding_grads(
     pp_group: dist.ProcessGroup | None,
 ) -> None:
     """Sum ``position_embeddings.weight`` grads over a position-embedding group larger than one rank."""
-    if _size(pos_embd_group) <= 1:
+    chunk = _member_chunk(model, config, pos_embd_group, pp_group)
+    if chunk is None:
         return
     assert pos_embd_group is not None
-    if dist.get_rank() not in dist.get_process_group_ranks(pos_embd_group):
-        return
-    owner = find_attribute_owner(_embedding_chunk(model, pp_group, config), "pre_process")
-    weight = owner.position_embeddings.weight
+    weight = find_attribute_owner(chunk, "pre_process").position_embeddings.weight
     if read_grad(weight) is None:
         raise RuntimeError(
             "position_embeddings.weight has no grad to reduce over the position-embedding group"

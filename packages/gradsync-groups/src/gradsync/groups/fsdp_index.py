@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .backend import capabilities_of
+from .backend import get_backend_capabilities
 
 MeshKey = tuple[tuple[str, ...], bool]
 
@@ -99,7 +99,7 @@ class FSDPDistributedIndex:
                 f"({world})"
             )
         if device_type is None:
-            device_type = capabilities_of(str(dist.get_backend())).device_type
+            device_type = get_backend_capabilities().device_type
         mesh = init_device_mesh(
             device_type, (dp_outer, dp_shard, tp), mesh_dim_names=("dp_outer", "dp_shard", "tp")
         )

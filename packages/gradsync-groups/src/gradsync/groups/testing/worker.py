@@ -14,7 +14,6 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.queues import Queue
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,8 +93,3 @@ def worker_main(spec: WorkerSpec, tasks: Queue[bytes | None], outcomes: Queue[Ou
     # A barrier before teardown avoids gloo's "terminate called without an active exception" at exit.
     dist.barrier()
     dist.destroy_process_group()
-
-
-def describe_payload(outcome: Outcome) -> Any:
-    """The unpickled return value of a successful outcome."""
-    return pickle.loads(outcome.payload)
