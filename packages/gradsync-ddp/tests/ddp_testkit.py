@@ -68,6 +68,8 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     # eps well above fp32 rounding noise: with eps=1e-8 a grad that cancels to ~1e-9 in one summation
     # order and to 0 in another moves a weight by up to lr/4, whatever the sync is; that is Adam's
     # conditioning, not a sync error (torch DDP shows the same).
+    if name == "adamw":  # its defaults hold a key its constructor does not take (decoupled_weight_decay)
+        return torch.optim.AdamW(params, lr=1e-3, eps=1e-4, weight_decay=0.1)
     return torch.optim.Adam(params, lr=1e-3, eps=1e-4)
 
 

@@ -13,7 +13,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_testkit import TinyGPT, Trainer, flat_params, global_batch, make_optimizer, max_relative_difference
+from ddp_testkit import (
+    TinyGPT,
+    Trainer,
+    flat_params,
+    global_batch,
+    make_optimizer,
+    max_relative_difference,
+    reference_training,
+)
 
 from gradsync.buffers import DistributedDataParallelConfig, collectives
 from gradsync.ddp import DistributedDataParallel, DistributedOptimizer
@@ -26,6 +34,18 @@ DISTOPT = DistributedDataParallelConfig(
 GATHER = DistributedDataParallelConfig(
     use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=600
 )
+
+
+def adamw_params_after_three_steps() -> torch.Tensor:
+    trainer = Trainer.build(DISTOPT, "adamw")
+    for step in range(3):
+        trainer.step(step, dist.get_rank(), dist.get_world_size(), 1)
+    return trainer.full_params()
+
+
+def test_wraps_adamw_with_its_weight_decay() -> None:
+    got = run_distributed(adamw_params_after_three_steps, 2)[0]
+    assert max_relative_difference(got, reference_training("adamw", 2, 1, 3)) < 1e-5
 
 
 def state_numel() -> tuple[int, int, int]:

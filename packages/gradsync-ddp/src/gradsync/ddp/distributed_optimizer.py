@@ -9,6 +9,7 @@ overlapped with the next forward through the DDP pre-hooks).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,16 @@ class ShardPiece:
     def grad_slice(self) -> torch.Tensor:
         main_grad: torch.Tensor = self.param.main_grad  # type: ignore[attr-defined]
         return main_grad.view(-1)[self.param_range[0] : self.param_range[1]]
+
+
+def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class over ``groups`` (which carry every hyper-parameter).
+
+    ``defaults`` can hold keys the constructor does not take (AdamW's ``decoupled_weight_decay``), so
+    only the accepted ones are passed; the groups' own values win either way.
+    """
+    accepted = inspect.signature(type(optimizer)).parameters
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
 
 class DistributedOptimizer:
@@ -88,7 +99,7 @@ class DistributedOptimizer:
             {**{k: v for k, v in g.items() if k != "params"}, "params": mains}
             for g, mains in zip(optimizer.param_groups, pieces_by_group, strict=True)
         ]
-        self.optimizer = type(optimizer)(new_groups, **optimizer.defaults)
+        self.optimizer = _same_kind(optimizer, new_groups)
         pg = self.model_chunks[0].pg_collection
         self.norm_group = pg.intra_dist_opt or dist.group.WORLD
         self._grads_loaded = False  # shard grads read from main_grad for the current step
