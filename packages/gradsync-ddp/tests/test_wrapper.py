@@ -98,6 +98,44 @@ def test_mismatched_models_fail_before_any_gradient_collective() -> None:
     run_distributed(mismatched_models, 2)
 
 
+class WithExperts(nn.Module):
+    """A dense layer and one expert, named by its global index."""
+
+    def __init__(self, expert_index: int, expert_width: int = 2) -> None:
+        super().__init__()
+        self.dense = nn.Linear(4, 4)
+        self.experts = nn.ModuleDict({str(expert_index): nn.Linear(4, expert_width)})
+        for param in self.experts.parameters():
+            param.allreduce = False  # type: ignore[attr-defined]
+
+
+def experts_checked_over_their_own_group(odd_rank: int | None, odd: str) -> None:
+    groups = initialize_model_parallel(expert_model_parallel_size=2)
+    ep_rank, rank = groups.ep.rank(), dist.get_rank()  # type: ignore[union-attr]
+    is_odd = rank == odd_rank
+    model = WithExperts(
+        expert_index=ep_rank + 4 if is_odd and odd == "name" else ep_rank,
+        expert_width=3 if is_odd and odd == "shape" else 2,
+    )
+    config = ModelParallelConfig(expert_model_parallel_size=2)
+    peers = dist.get_process_group_ranks(groups.expt_dp)  # type: ignore[arg-type]
+    if odd_rank is None or (odd == "name" and odd_rank not in peers):
+        # Experts differ across EP ranks inside one DP group: that is fine.
+        DistributedDataParallel(config, DistributedDataParallelConfig(), model, pg_collection=groups)
+        return
+    # Another shape shows in the DP check already; another expert than the expert-DP peers' only there.
+    kind = "data-parallel" if odd == "shape" else "expert-data-parallel"
+    with pytest.raises(ValueError, match=rf"differs between {kind} ranks"):
+        DistributedDataParallel(config, DistributedDataParallelConfig(), model, pg_collection=groups)
+
+
+@pytest.mark.parametrize(("odd_rank", "odd"), [(None, ""), (3, "shape"), (3, "name")])
+def test_expert_params_are_compared_within_their_expert_data_parallel_group(
+    odd_rank: int | None, odd: str
+) -> None:
+    run_distributed(experts_checked_over_their_own_group, 4, args=(odd_rank, odd))
+
+
 class WithUnused(nn.Module):
     def __init__(self) -> None:
         super().__init__()

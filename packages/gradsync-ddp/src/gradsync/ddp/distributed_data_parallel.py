@@ -79,7 +79,7 @@ class DistributedDataParallel(_BaseDataParallel):
             raise ValueError(f"unused_parameters names params the module does not have: {sorted(unknown)}")
         dp_cp = self.pg_collection.dp_cp
         assert dp_cp is not None
-        check_params_match_across_ranks(named, dp_cp)
+        check_params_match_across_ranks(named, dp_cp, self.pg_collection.expt_dp)
 
         pp = self.pg_collection.pp
         pp_rank = pp.rank() if isinstance(pp, dist.ProcessGroup) else 0

@@ -3,6 +3,10 @@
 A rank whose model differs (another shape, a missing layer, a frozen param) would post different
 collectives and hang the job; comparing names, shapes, dtypes and requires_grad up front turns that into an
 error naming the first mismatch and the ranks involved.
+
+Expert params (``allreduce=False``) legitimately differ across expert-parallel ranks, which sit inside one
+data-parallel group: the DP check compares only their shapes, and the expert-data-parallel group (whose
+ranks hold the same experts) compares them in full.
 """
 
 from __future__ import annotations
@@ -15,8 +19,25 @@ from torch import nn
 ParamSignature = tuple[str, tuple[int, ...], str, bool]
 
 
-def param_signatures(named_params: Sequence[tuple[str, nn.Parameter]]) -> list[ParamSignature]:
-    return [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in named_params]
+EXPERT_PLACEHOLDER = "<expert param>"
+
+
+def _is_expert(param: nn.Parameter) -> bool:
+    return not getattr(param, "allreduce", True)
+
+
+def param_signatures(
+    named_params: Sequence[tuple[str, nn.Parameter]], *, anonymous_experts: bool = False
+) -> list[ParamSignature]:
+    return [
+        (
+            EXPERT_PLACEHOLDER if anonymous_experts and _is_expert(p) else name,
+            tuple(p.shape),
+            str(p.dtype),
+            p.requires_grad,
+        )
+        for name, p in named_params
+    ]
 
 
 def _first_difference(mine: list[ParamSignature], theirs: list[ParamSignature]) -> str:
@@ -34,10 +55,19 @@ def _describe(sig: ParamSignature) -> str:
 
 
 def check_params_match_across_ranks(
-    named_params: Sequence[tuple[str, nn.Parameter]], group: dist.ProcessGroup
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    group: dist.ProcessGroup,
+    expert_group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Raise ``ValueError`` on every rank if any rank of ``group`` wraps different params."""
-    mine = param_signatures(named_params)
+    """Raise ``ValueError`` on every rank if any rank of ``group`` wraps different params (experts: any
+    rank of ``expert_group``)."""
+    _check(param_signatures(named_params, anonymous_experts=True), group, "data-parallel")
+    experts = [(name, p) for name, p in named_params if _is_expert(p)]
+    if experts and expert_group is not None:  # every rank of `group` agrees here: the check above passed
+        _check(param_signatures(experts), expert_group, "expert-data-parallel")
+
+
+def _check(mine: list[ParamSignature], group: dist.ProcessGroup, kind: str) -> None:
     everyone: list[list[ParamSignature] | None] = [None] * group.size()
     dist.all_gather_object(everyone, mine, group=group)
     ranks = dist.get_process_group_ranks(group)
@@ -47,7 +77,7 @@ def check_params_match_across_ranks(
         assert theirs is not None
         if theirs != reference:
             raise ValueError(
-                f"DistributedDataParallel: the model differs between data-parallel ranks {ranks[0]} and "
-                f"{ranks[position]}: {_first_difference(reference, theirs)}. Every DP rank must wrap the "
+                f"DistributedDataParallel: the model differs between {kind} ranks {ranks[0]} and "
+                f"{ranks[position]}: {_first_difference(reference, theirs)}. Every {kind} rank must wrap the "
                 "same parameters (names, shapes, dtypes, requires_grad)."
             )
