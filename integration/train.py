@@ -1,0 +1,212 @@
+"""Train the toy GPT with gradsync, under torchrun.
+
+    torchrun --standalone --nproc-per-node=4 integration/train.py --strategy ddp+distopt --tp 2
+
+The loop below is the whole training step: gradsync's calls are ``zero_grad_buffer`` (a new step),
+``no_sync`` (inside the pipeline schedule: earlier microbatches only accumulate), ``finalize_model_grads``
+(wait for the overlapped grad reduction, then the TP/SP and tied-embedding reductions) and the optimizer
+step (which, with the distributed optimizer, steps this rank's shard and all-gathers the params).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from toygpt import checkpoint
+from toygpt.data import Corpus, local_rows
+from toygpt.full_state import gather_full_params
+from toygpt.model import GPTConfig, GPTStage
+from toygpt.pipeline import forward_backward, global_loss
+from toygpt.report import StepRecord, progress_line, records_to_json, write_report
+from toygpt.strategies import STRATEGIES, wrap
+
+from gradsync.finalize import finalize_model_grads
+from gradsync.groups import (
+    default_backend,
+    destroy_process_groups,
+    device_for_group,
+    initialize_model_parallel,
+)
+
+
+@dataclass(frozen=True)
+class Options:
+    strategy: str = "ddp+distopt+overlap-param-gather"
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    moe: bool = False
+    steps: int = 200
+    global_batch: int = 32
+    microbatches: int = 1
+    seq_len: int = 64
+    d_model: int = 128
+    n_head: int = 4
+    n_layer: int = 4
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    bucket_size: int | None = 40_000
+    seed: int = 0
+    eval_every: int = 25
+    corpus_bytes: int = 4 << 20
+    out_dir: str | None = None
+    save_every: int = 0
+    resume: bool = False
+    kill_rank: int = -1  # for the killed-rank test: this rank SIGKILLs itself at kill_at_step
+    kill_at_step: int = -1
+    timeout_s: float = 600
+    quiet: bool = False
+    collect_params: bool = False  # return the full params on rank 0 (parity tests)
+
+
+@dataclass
+class RunResult:
+    losses: list[float] = field(default_factory=list)
+    records: list[StepRecord] = field(default_factory=list)
+    full_params: dict[str, torch.Tensor] | None = None
+    report: Path | None = None
+
+
+def make_optimizer(opts: Options):  # type: ignore[no-untyped-def]
+    def build(params: Any) -> torch.optim.Optimizer:
+        if opts.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=opts.lr, momentum=0.9)
+        if opts.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.01)
+        raise ValueError(f"--optimizer must be sgd or adamw, got {opts.optimizer!r}")
+
+    return build
+
+
+def run(opts: Options) -> RunResult:
+    """Train on the already initialised default process group; every rank calls this."""
+    rank = dist.get_rank()
+    groups = initialize_model_parallel(opts.tp, opts.pp, expert_model_parallel_size=opts.ep)
+    device = device_for_group(groups.dp)
+    cfg = GPTConfig(
+        seq_len=opts.seq_len, d_model=opts.d_model, n_head=opts.n_head, n_layer=opts.n_layer, moe=opts.moe
+    )
+    stage = GPTStage(cfg, groups, opts.sequence_parallel).to(device)
+    wrapped = wrap(opts.strategy, stage, groups, make_optimizer(opts), opts.bucket_size)
+    model, optimizer = wrapped.model, wrapped.optimizer
+    corpus = Corpus.from_stdlib(opts.corpus_bytes)
+    dp_rank, dp_size = groups.dp_cp.rank(), groups.dp_cp.size()  # type: ignore[union-attr]
+    local_batch = opts.global_batch // dp_size
+    if local_batch % opts.microbatches:
+        raise ValueError(f"--microbatches {opts.microbatches} must divide the per-rank batch {local_batch}")
+    hidden = (
+        local_batch // opts.microbatches,
+        opts.seq_len // stage.tp.size if stage.tp.sequence_parallel else opts.seq_len,
+        opts.d_model,
+    )
+    layout = {k: getattr(opts, k) for k in ("strategy", "tp", "pp", "ep", "sequence_parallel", "moe")} | {
+        "world": dist.get_world_size()
+    }
+    ckpt_dir = Path(opts.out_dir or ".") / "checkpoints"
+    start = checkpoint.load(ckpt_dir, wrapped, stage, layout, groups.dp_cp) if opts.resume else 0
+
+    def shard(tokens: torch.Tensor) -> list[torch.Tensor]:
+        return list(local_rows(tokens, dp_rank, dp_size).to(device).chunk(opts.microbatches))
+
+    result = RunResult()
+    for step in range(start, opts.steps):
+        if step == opts.kill_at_step and rank == opts.kill_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.perf_counter()
+        optimizer.zero_grad()  # also zeroes the grad buffers (zero_grad_buffer)
+        model.zero_grad_buffer()
+        batch = corpus.batch(step, opts.global_batch, opts.seq_len, seed=opts.seed)
+        loss = forward_backward(model, stage, shard(batch), groups.pp, hidden)
+        t1 = time.perf_counter()
+        finalize_model_grads([model], pg_collection=groups)
+        t2 = time.perf_counter()
+        optimizer.step()
+        t3 = time.perf_counter()
+        record = StepRecord(
+            step + 1,
+            global_loss(loss, groups.dp_cp, groups.pp),
+            opts.global_batch * opts.seq_len / (t3 - t0),
+            wrapped.comm_bytes(),
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+            t3 - t0,
+        )
+        if opts.eval_every and (step + 1) % opts.eval_every == 0:
+            val = corpus.batch(0, opts.global_batch, opts.seq_len, split="val", seed=opts.seed)
+            record.val_loss = global_loss(
+                forward_backward(model, stage, shard(val), groups.pp, hidden, forward_only=True),
+                groups.dp_cp,
+                groups.pp,
+            )
+        result.losses.append(record.loss)
+        result.records.append(record)
+        if rank == 0 and not opts.quiet:
+            print(progress_line(record, opts.steps), flush=True)
+        if opts.save_every and (step + 1) % opts.save_every == 0:
+            checkpoint.save(ckpt_dir, step + 1, wrapped, stage, layout)
+    if opts.collect_params:
+        wrapped.settle_params()
+        result.full_params = gather_full_params(stage, groups)
+    if rank == 0 and opts.out_dir and result.records:
+        out = Path(opts.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.json").write_text(json.dumps(records_to_json(result.records), indent=1))
+        facts = {
+            "strategy": f"{opts.strategy}: {STRATEGIES[opts.strategy].summary}",
+            "layout": f"world {dist.get_world_size()} = dp {dp_size} × tp {opts.tp} × pp {opts.pp}, "
+            f"ep {opts.ep}" + (", sequence parallel" if stage.tp.sequence_parallel else ""),
+            "backend": f"{dist.get_backend()} on {device}",
+            "model": f"{sum(p.numel() for p in GPTStage(cfg).parameters()) / 1e6:.2f}M params, {cfg}",
+            "data": f"{corpus.source}; global batch {opts.global_batch} × {opts.seq_len} bytes",
+            "optimizer": f"{opts.optimizer}, lr {opts.lr}",
+        }
+        result.report = write_report(out, {opts.strategy: result.records}, facts)
+    destroy_process_groups(groups)
+    return result
+
+
+def parse_args(argv: list[str]) -> Options:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    defaults = Options()
+    for name, value in asdict(defaults).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            parser.add_argument(flag, action="store_true", default=value)
+        elif name == "strategy":
+            parser.add_argument(flag, choices=list(STRATEGIES), default=value)
+        else:
+            kind = int if name in ("bucket_size",) else type(value) if value is not None else str
+            parser.add_argument(flag, type=kind, default=value)
+    return Options(**vars(parser.parse_args(argv)))
+
+
+def main(argv: list[str]) -> None:
+    opts = parse_args(argv)
+    backend = default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=opts.timeout_s))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    result = run(opts)
+    if dist.get_rank() == 0 and result.report:
+        print(f"report: {result.report.resolve()}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
