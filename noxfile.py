@@ -171,9 +171,17 @@ def installed_gradsync(session: nox.Session) -> set[str]:
 
 @nox.session
 def integration(session: nox.Session) -> None:
-    """The torchrun suite in integration/."""
+    """The integration suite: every strategy on the CI layouts vs a single-process run, plus torchrun
+    launches (report, bit-exact resume, a killed rank)."""
     install_local(session, *PACKAGES, extra=TEST_TOOLS)
     session.run("pytest", str(ROOT / "integration"), *session.posargs)
+
+
+@nox.session(name="integration-full")
+def integration_full(session: nox.Session) -> None:
+    """The integration suite over every layout (not in the default set: about twice as long)."""
+    install_local(session, *PACKAGES, extra=TEST_TOOLS)
+    session.run("pytest", str(ROOT / "integration"), *session.posargs, env={"GRADSYNC_INTEGRATION_FULL": "1"})
 
 
 @nox.session(name="bench-buffers")
@@ -192,12 +200,17 @@ def bench_ddp(session: nox.Session) -> None:
 
 @nox.session
 def train(session: nox.Session) -> None:
-    """The main job. Placeholder until the integration issue lands: a 2-rank torchrun smoke run."""
-    install_local(session, *PACKAGES, extra=("numpy",))
+    """The main job: train the toy GPT on 4 ranks (gloo on CPU, NCCL with 4 GPUs) for a few minutes and
+    write a report. Extra arguments go to integration/train.py (``nox -s train -- --help``)."""
+    install_local(session, *PACKAGES, extra=("matplotlib",))
+    out_dir = ROOT / "runs" / "train"
     session.run(
         "torchrun",
         "--standalone",
-        "--nproc-per-node=2",
-        str(ROOT / "integration" / "smoke_allreduce.py"),
+        "--nproc-per-node=4",
+        str(ROOT / "integration" / "train.py"),
+        "--tp=2",
+        "--sequence-parallel",
+        f"--out-dir={out_dir}",
+        *session.posargs,
     )
-    session.log("GPT training (nox -s train) arrives with the integration issue; this ran the smoke job.")

@@ -48,7 +48,7 @@ class Options:
     ep: int = 1
     sequence_parallel: bool = False
     moe: bool = False
-    steps: int = 200
+    steps: int = 600
     global_batch: int = 32
     microbatches: int = 1
     seq_len: int = 64
@@ -59,7 +59,7 @@ class Options:
     lr: float = 3e-3
     bucket_size: int | None = 40_000
     seed: int = 0
-    eval_every: int = 25
+    eval_every: int = 50
     corpus_bytes: int = 4 << 20
     out_dir: str | None = None
     save_every: int = 0
