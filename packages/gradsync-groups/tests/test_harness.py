@@ -84,6 +84,27 @@ def raise_on_rank_1_of_2() -> None:
         raise RuntimeError("expected")
 
 
+class HoldsItsGroup:
+    """Like a DDP wrapper: keeps its process group and sits in a reference cycle."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(list(range(dist.get_world_size())))
+        self.cycle = self
+
+
+def group_in_a_cycle_then_thread_count() -> int:
+    dist.destroy_process_group(HoldsItsGroup().group)
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_a_pooled_rank_does_not_pile_up_threads_of_dead_groups() -> None:
+    """Each gloo group runs a polling TCP thread until it is freed: a rank that ran many tests must not
+    keep them all, or the idle pools eat the cores the running test needs."""
+    counts = [run_distributed(group_in_a_cycle_then_thread_count, 2, reuse=True)[0] for _ in range(8)]
+    assert counts[-1] <= counts[1] + 2, counts
+
+
 def test_tcp_rendezvous() -> None:
     assert run_distributed(rank_and_world, 2, args=(0,), rendezvous="tcp", reuse=False) == [
         (0, 2),

@@ -7,6 +7,7 @@ error in the parent instead of a silent failure in a queue's feeder thread.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import pickle
 import signal
@@ -62,6 +63,10 @@ def _run_task(spec: WorkerSpec, task: bytes) -> Outcome:
         return _failure(spec.rank, task_id, exc)
     # Align the ranks between tasks, so one test's stragglers never overlap the next test's collectives.
     dist.barrier()
+    # Wrappers hold their process groups in reference cycles (hooks close over the wrapper); until a full
+    # collection frees them, each destroyed gloo group keeps its TCP loop thread polling, and a pooled rank
+    # that has run many tests ends up with hundreds of them eating the machine's cores.
+    gc.collect()
     return Outcome(spec.rank, task_id, ok=True, payload=payload)
 
 
