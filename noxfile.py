@@ -199,6 +199,14 @@ def bench_ddp(session: nox.Session) -> None:
 
 
 @nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmark (not a test): gradsync's DDP strategies vs torch DDP, torch FSDP2 and DeepSpeed ZeRO-1/2 in
+    one run, as ratios to the compute floor; writes benchmarks/RESULTS.md and benchmarks/results.png."""
+    install_local(session, "ddp", "finalize", extra=("deepspeed", "matplotlib"))
+    session.run("python", str(ROOT / "benchmarks" / "bench.py"), *session.posargs)
+
+
+@nox.session
 def train(session: nox.Session) -> None:
     """The main job: train the toy GPT on 4 ranks (gloo on CPU, NCCL with 4 GPUs) for a few minutes and
     write a report. Extra arguments go to integration/train.py (``nox -s train -- --help``)."""

@@ -1,0 +1,176 @@
+"""One benchmark run under torchrun: one system trains the toy GPT for a few timed steps; rank 0 prints one
+JSON line. Launched by bench.py (``nox -s bench``), once per system, each in fresh processes so that peak
+RSS belongs to that system alone; bench.py puts integration/ (the toy GPT) on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from toygpt.data import Corpus, local_rows
+from toygpt.model import GPTConfig, GPTStage
+
+from gradsync.finalize import finalize_model_grads
+from gradsync.groups import initialize_model_parallel
+
+Step = Callable[[torch.Tensor], float]
+
+
+def bytes_written() -> int:
+    """Bytes this process has handed to write()/writev(): on gloo over TCP, what it put on the wire."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["wchar"])
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Step:
+    """The floor, torch DDP and FSDP2: the wrapper's hooks do the communication inside backward."""
+
+    def step(tokens: torch.Tensor) -> float:
+        optimizer.zero_grad()
+        loss = loss_of(model, tokens)
+        loss.backward()
+        optimizer.step()
+        return float(loss)
+
+    return step
+
+
+def gradsync_step(strategy: str, model: nn.Module, lr: float, bucket_elements: int) -> Step:
+    from toygpt.strategies import wrap
+
+    groups = initialize_model_parallel()
+    wrapped = wrap(strategy, model, groups, lambda p: torch.optim.AdamW(p, lr=lr), bucket_elements)
+
+    def step(tokens: torch.Tensor) -> float:
+        wrapped.optimizer.zero_grad()
+        wrapped.model.zero_grad_buffer()
+        loss = loss_of(wrapped.model, tokens)
+        loss.backward()
+        finalize_model_grads([wrapped.model], pg_collection=groups)
+        wrapped.optimizer.step()
+        return float(loss)
+
+    return step
+
+
+def deepspeed_step(stage: int, model: nn.Module, lr: float, bucket_elements: int, micro_batch: int) -> Step:
+    import deepspeed
+    import deepspeed.ops
+
+    # The shm op serves only inference all-reduce; without this, DeepSpeed JIT-compiles it with g++.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default; the others do not clip
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": bucket_elements,
+            "allgather_bucket_size": bucket_elements,
+            "overlap_comm": stage == 2,
+        },
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+
+    def step(tokens: torch.Tensor) -> float:
+        loss = loss_of(engine, tokens)
+        engine.backward(loss)
+        engine.step()
+        return float(loss)
+
+    return step
+
+
+def build(system: str, model: nn.Module, args: argparse.Namespace) -> Step:
+    bucket_elements = args.bucket_mb * 2**20 // 4
+    if system == "floor":
+        return plain_step(model, torch.optim.AdamW(model.parameters(), lr=args.lr))
+    if system == "torch-ddp":
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
+        return plain_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=args.lr))
+    if system == "torch-fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks.values():  # type: ignore[union-attr]
+            fully_shard(block)
+        fully_shard(model)
+        return plain_step(model, torch.optim.AdamW(model.parameters(), lr=args.lr))
+    if system.startswith("deepspeed-zero"):
+        return deepspeed_step(int(system[-1]), model, args.lr, bucket_elements, args.batch_per_rank)
+    return gradsync_step(system.removeprefix("gradsync-"), model, args.lr, bucket_elements)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--system", required=True)
+    parser.add_argument("--batch-per-rank", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--n-layer", type=int, default=6)
+    parser.add_argument("--n-head", type=int, default=8)
+    parser.add_argument("--bucket-mb", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)  # one core per rank; the floor gets one core too
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_head=args.n_head, n_layer=args.n_layer)
+    model = GPTStage(cfg)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    step = build(args.system, model, args)
+    corpus = Corpus.from_stdlib()
+    batches = [
+        local_rows(corpus.batch(i, args.batch_per_rank * world, args.seq_len), rank, world)
+        for i in range(args.warmup + args.steps)
+    ]
+    losses = [step(b) for b in batches[: args.warmup]]
+    dist.barrier()
+    written, times = bytes_written(), []
+    for tokens in batches[args.warmup :]:
+        start = time.perf_counter()
+        losses.append(step(tokens))
+        times.append(time.perf_counter() - start)
+    wire = (bytes_written() - written) / args.steps
+    stats = torch.tensor(
+        [statistics.median(times), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0, wire],
+        dtype=torch.float64,
+    )
+    everyone = [torch.zeros_like(stats) for _ in range(world)]
+    dist.all_gather(everyone, stats)
+    if rank == 0:
+        table = torch.stack(everyone)
+        result = {
+            "system": args.system,
+            "world": world,
+            "step_s": float(table[:, 0].max()),  # the slowest rank sets the pace
+            "peak_rss_bytes": float(table[:, 1].max()),
+            "wire_bytes_per_step": float(table[:, 2].mean()),
+            "param_bytes": param_bytes,
+            "params": param_bytes // 4,
+            "first_loss": losses[0],
+            "last_loss": losses[-1],
+        }
+        print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
