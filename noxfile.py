@@ -85,10 +85,13 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict over every package's sources (config in mypy.ini)."""
+    """mypy --strict over every package's sources, the integration model and script, and the benchmarks
+    (config in mypy.ini)."""
     session.install(*CONSTRAINTS, "mypy", "torch", *TEST_TOOLS, "nox")
     session.run("mypy", *(arg for p in PACKAGES for arg in ("-p", f"gradsync.{p}")))
     session.run("mypy", "noxfile.py")
+    scripts = ["integration/toygpt", "integration/train.py", "integration/parity.py", "benchmarks"]
+    session.run("mypy", *scripts, env={"MYPYPATH": str(ROOT / "integration")})
 
 
 def src_path(root: Path) -> str:

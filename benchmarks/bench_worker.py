@@ -42,7 +42,7 @@ def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Step:
     def step(tokens: torch.Tensor) -> float:
         optimizer.zero_grad()
         loss = loss_of(model, tokens)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         return float(loss)
 
@@ -59,7 +59,7 @@ def gradsync_step(strategy: str, model: nn.Module, lr: float, bucket_elements: i
         wrapped.optimizer.zero_grad()
         wrapped.model.zero_grad_buffer()
         loss = loss_of(wrapped.model, tokens)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         finalize_model_grads([wrapped.model], pg_collection=groups)
         wrapped.optimizer.step()
         return float(loss)
@@ -68,8 +68,8 @@ def gradsync_step(strategy: str, model: nn.Module, lr: float, bucket_elements: i
 
 
 def deepspeed_step(stage: int, model: nn.Module, lr: float, bucket_elements: int, micro_batch: int) -> Step:
-    import deepspeed
-    import deepspeed.ops
+    import deepspeed  # type: ignore[import-not-found]
+    import deepspeed.ops  # type: ignore[import-not-found]
 
     # The shm op serves only inference all-reduce; without this, DeepSpeed JIT-compiles it with g++.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -96,7 +96,7 @@ def deepspeed_step(stage: int, model: nn.Module, lr: float, bucket_elements: int
     return step
 
 
-def build(system: str, model: nn.Module, args: argparse.Namespace) -> Step:
+def build(system: str, model: GPTStage, args: argparse.Namespace) -> Step:
     bucket_elements = args.bucket_mb * 2**20 // 4
     if system == "floor":
         return plain_step(model, torch.optim.AdamW(model.parameters(), lr=args.lr))
@@ -106,7 +106,7 @@ def build(system: str, model: nn.Module, args: argparse.Namespace) -> Step:
     if system == "torch-fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.blocks.values():  # type: ignore[union-attr]
+        for block in model.blocks.values():
             fully_shard(block)
         fully_shard(model)
         return plain_step(model, torch.optim.AdamW(model.parameters(), lr=args.lr))

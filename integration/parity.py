@@ -72,7 +72,7 @@ def reference(opts: Options) -> tuple[list[float], dict[str, torch.Tensor]]:
         batch = corpus.batch(step, opts.global_batch, opts.seq_len, seed=opts.seed)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         losses.append(float(loss.detach()))
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}

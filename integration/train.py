@@ -125,8 +125,8 @@ def run(opts: Options) -> RunResult:
         if step == opts.kill_at_step and rank == opts.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
         t0 = time.perf_counter()
-        optimizer.zero_grad()  # also zeroes the grad buffers (zero_grad_buffer)
-        model.zero_grad_buffer()
+        model.zero_grad_buffer()  # a new step: empty grad buffers, reset the bucket groups
+        optimizer.zero_grad()
         batch = corpus.batch(step, opts.global_batch, opts.seq_len, seed=opts.seed)
         loss = forward_backward(model, stage, shard(batch), groups.pp, hidden)
         t1 = time.perf_counter()
@@ -161,21 +161,33 @@ def run(opts: Options) -> RunResult:
         wrapped.settle_params()
         result.full_params = gather_full_params(stage, groups)
     if rank == 0 and opts.out_dir and result.records:
-        out = Path(opts.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.json").write_text(json.dumps(records_to_json(result.records), indent=1))
-        facts = {
-            "strategy": f"{opts.strategy}: {STRATEGIES[opts.strategy].summary}",
-            "layout": f"world {dist.get_world_size()} = dp {dp_size} × tp {opts.tp} × pp {opts.pp}, "
-            f"ep {opts.ep}" + (", sequence parallel" if stage.tp.sequence_parallel else ""),
-            "backend": f"{dist.get_backend()} on {device}",
-            "model": f"{sum(p.numel() for p in GPTStage(cfg).parameters()) / 1e6:.2f}M params, {cfg}",
-            "data": f"{corpus.source}; global batch {opts.global_batch} × {opts.seq_len} bytes",
-            "optimizer": f"{opts.optimizer}, lr {opts.lr}",
-        }
-        result.report = write_report(out, {opts.strategy: result.records}, facts)
+        result.report = write_outputs(opts, result.records, cfg, corpus, dp_size, device)
     destroy_process_groups(groups)
     return result
+
+
+def write_outputs(
+    opts: Options,
+    records: list[StepRecord],
+    cfg: GPTConfig,
+    corpus: Corpus,
+    dp_size: int,
+    device: torch.device,
+) -> Path:
+    """metrics.json and the report under --out-dir; returns the report's path."""
+    out = Path(opts.out_dir or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(records_to_json(records), indent=1))
+    facts = {
+        "strategy": f"{opts.strategy}: {STRATEGIES[opts.strategy].summary}",
+        "layout": f"world {dist.get_world_size()} = dp {dp_size} × tp {opts.tp} × pp {opts.pp}, ep {opts.ep}"
+        + (", sequence parallel" if opts.sequence_parallel and opts.tp > 1 else ""),
+        "backend": f"{dist.get_backend()} on {device}",
+        "model": f"{sum(p.numel() for p in GPTStage(cfg).parameters()) / 1e6:.2f}M params, {cfg}",
+        "data": f"{corpus.source}; global batch {opts.global_batch} × {opts.seq_len} bytes",
+        "optimizer": f"{opts.optimizer}, lr {opts.lr}",
+    }
+    return write_report(out, {opts.strategy: records}, facts)
 
 
 def parse_args(argv: list[str]) -> Options:

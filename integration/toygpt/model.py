@@ -134,7 +134,8 @@ class Attention(nn.Module):
             lin(x).view(b, t, self.heads, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
         )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        return out
 
 
 class MLP(nn.Module):
@@ -145,7 +146,8 @@ class MLP(nn.Module):
         self.proj = RowParallelLinear(4 * cfg.d_model, cfg.d_model, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(self.tp.enter(x))))
+        out: torch.Tensor = self.proj(F.gelu(self.fc(self.tp.enter(x))))
+        return out
 
 
 class MoE(nn.Module):
@@ -185,7 +187,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class GPTStage(nn.Module):
@@ -227,7 +230,7 @@ class GPTStage(nn.Module):
             self.shared_embedding_or_output_weight().shared_embedding = True  # type: ignore[attr-defined]
         initialise(self, cfg, tp_rank=group_rank(tp_group))
 
-    def shared_embedding_or_output_weight(self) -> nn.Parameter:
+    def shared_embedding_or_output_weight(self) -> torch.Tensor:
         return self.wte.weight if self.pre_process else self.output_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,7 @@ def collective(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int, fwd: 
     """``fwd`` on the way in, ``bwd`` on the grad on the way back."""
     if group_size(group) == 1:
         return x
-    out: torch.Tensor = _Collective.apply(x, group, dim, fwd, bwd)
+    out: torch.Tensor = _Collective.apply(x, group, dim, fwd, bwd)  # type: ignore[no-untyped-call]
     return out
 
 

@@ -62,12 +62,12 @@ def forward_backward(
         sync: AbstractContextManager[Any] = model.no_sync() if index < count - 1 else nullcontext()  # type: ignore[operator]
         with sync:
             if stage.post_process:
-                y.backward()
+                y.backward()  # type: ignore[no-untyped-call]
             else:
                 assert pp_group is not None
                 grad = torch.empty_like(y)
                 dist.recv(grad, _peer(pp_group, 1))
-                y.backward(grad)
+                y.backward(grad)  # type: ignore[no-untyped-call]
         if not stage.pre_process:
             assert pp_group is not None
             assert x.grad is not None

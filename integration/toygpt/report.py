@@ -39,7 +39,7 @@ def _summary_row(name: str, records: list[StepRecord]) -> str:
     val = [r.val_loss for r in records if r.val_loss is not None]
 
     def ms(attr: str) -> float:
-        return 1000 * statistics.median(getattr(r, attr) for r in steady)
+        return 1000 * float(statistics.median(getattr(r, attr) for r in steady))
 
     val_text = f"{val[-1]:.4f}" if val else "–"
     return (
