@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -96,6 +99,25 @@ def mismatched_models() -> None:
 
 def test_mismatched_models_fail_before_any_gradient_collective() -> None:
     run_distributed(mismatched_models, 2)
+
+
+def wrapper_freed_with_the_model_alive() -> tuple[bool, bool]:
+    model = TinyGPT()
+    config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=600)
+    ddp = DistributedDataParallel(CONFIG, config, model)
+    ddp.zero_grad_buffer()
+    ddp(local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]).backward()
+    ddp.finish_grad_sync()
+    wrapper, bucket_group = weakref.ref(ddp), weakref.ref(ddp.bucket_groups[0])
+    del ddp
+    gc.collect()
+    return wrapper() is None, bucket_group() is None
+
+
+def test_a_dropped_wrapper_is_freed_with_its_buffers_while_the_model_lives() -> None:
+    """Params keep their hooks where the garbage collector cannot look: a hook holding the wrapper
+    strongly would keep it, its buffers and its process groups alive as long as the model."""
+    assert run_distributed(wrapper_freed_with_the_model_alive, 2) == [(True, True)] * 2
 
 
 class WithExperts(nn.Module):

@@ -9,6 +9,7 @@ module that needs it, and start the next group's.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -106,7 +107,8 @@ class DistributedDataParallel(_BaseDataParallel):
             p: group for group in self.grad_buffers.all_bucket_groups for p in group.params
         }
         self.force_all_reduce = False
-        hooks = [(p, self._make_backward_post_hook(p)) for p in self.params_with_grad]
+        post_hook = self._make_backward_post_hook()
+        hooks = [(p, post_hook) for p in self.params_with_grad]
         hooks += [(p, _refuse_grad(n)) for n, p in named if n in unused_parameters]
         self.grad_hook_handles = [
             p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
@@ -120,8 +122,19 @@ class DistributedDataParallel(_BaseDataParallel):
 
     # --- hooks -----------------------------------------------------------------------------------
 
-    def _make_backward_post_hook(self, param: nn.Parameter) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
+    def _make_backward_post_hook(self) -> Callable[[torch.Tensor], None]:
+        """The hook moves a param's grad into main_grad and reports it ready.
+
+        It holds the wrapper weakly: params keep their hooks in C++, where the garbage collector cannot see
+        a cycle back to the wrapper, so a strong reference would keep the wrapper, its buffers and its
+        process groups (each with polling gloo threads) alive for as long as the params live.
+        """
+        wrapper = weakref.ref(self)
+
+        def hook(param: torch.Tensor) -> None:
+            ddp = wrapper()
+            if ddp is None:
+                return  # the wrapper is gone: the grad stays in param.grad, as without one
             grad = param.grad
             main_grad: torch.Tensor = param.main_grad  # type: ignore[attr-defined]
             # A grad that aliases main_grad (left from finish_grad_sync) was accumulated in place already.
@@ -130,8 +143,8 @@ class DistributedDataParallel(_BaseDataParallel):
             if grad is not None and not aliased and not fused_already:
                 main_grad.add_(grad)
             param.grad = None
-            if self.ddp_config.overlap_grad_reduce:
-                self.param_to_bucket_group[param].register_grad_ready(param, self.force_all_reduce)
+            if ddp.ddp_config.overlap_grad_reduce:
+                ddp.param_to_bucket_group[param].register_grad_ready(param, ddp.force_all_reduce)  # type: ignore[index]
 
         return hook
 
