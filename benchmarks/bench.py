@@ -173,7 +173,7 @@ def main() -> None:
         ("--n-layer", 6),
         ("--bucket-mb", 4),
         ("--warmup", 3),
-        ("--steps", 10),
+        ("--steps", 20),
     ):
         parser.add_argument(flag, type=int, default=default)
     args = parser.parse_args()
