@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -144,7 +144,8 @@ class DistributedDataParallel(_BaseDataParallel):
                 main_grad.add_(grad)
             param.grad = None
             if ddp.ddp_config.overlap_grad_reduce:
-                ddp.param_to_bucket_group[param].register_grad_ready(param, ddp.force_all_reduce)  # type: ignore[index]
+                owned = cast(nn.Parameter, param)  # the hook is handed the param itself
+                ddp.param_to_bucket_group[owned].register_grad_ready(owned, ddp.force_all_reduce)
 
         return hook
 
