@@ -87,7 +87,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over every package's sources, the integration model and script, and the benchmarks
     (config in mypy.ini)."""
-    session.install(*CONSTRAINTS, "mypy", "torch", *TEST_TOOLS, "nox")
+    session.install(*CONSTRAINTS, "mypy", "torch", *TEST_TOOLS, "nox", "matplotlib")
     session.run("mypy", *(arg for p in PACKAGES for arg in ("-p", f"gradsync.{p}")))
     session.run("mypy", "noxfile.py")
     scripts = ["integration/toygpt", "integration/train.py", "integration/parity.py", "benchmarks"]
