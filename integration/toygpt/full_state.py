@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gradsync.buffers import is_expert_parallel
 from gradsync.groups import ProcessGroupCollection
 
 from .model import TIED_COPY, GPTStage
@@ -25,7 +26,7 @@ def gather_full_params(stage: GPTStage, groups: ProcessGroupCollection) -> dict[
             parts = [torch.empty_like(value) for _ in range(group_size(groups.tp))]
             dist.all_gather(parts, value.contiguous(), group=groups.tp)
             value = torch.cat(parts, dim=dim)
-        replica_group = groups.dp_cp if getattr(param, "allreduce", True) else groups.expt_dp
+        replica_group = groups.expt_dp if is_expert_parallel(param) else groups.dp_cp
         if group_rank(groups.tp) == 0 and group_rank(replica_group) == 0:
             kept[TIED_COPY_KEY if name == TIED_COPY else name] = value.cpu().clone()
     gathered: list[dict[str, torch.Tensor]] | None = (

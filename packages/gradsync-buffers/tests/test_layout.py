@@ -14,12 +14,22 @@ from gradsync.buffers import (
     compute_full_param_layout,
     compute_param_layout,
     group_params_for_buffers,
+    is_expert_parallel,
     pad_bucket_end,
     pad_param_start,
     pad_to_divisor,
 )
 
 BUCKET_SIZES = [None, 9000, 9025, 9050, 18000, 18050, 20000]
+
+
+def test_expert_params_are_those_marked_allreduce_false() -> None:
+    dense, expert = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    expert.allreduce = False  # type: ignore[attr-defined]
+    assert not is_expert_parallel(dense)
+    assert is_expert_parallel(expert)
+    assert ParamSpec.of(expert).is_expert_parallel
+    assert not ParamSpec.of(dense).is_expert_parallel
 
 
 def test_padding_utilities() -> None:

@@ -69,13 +69,18 @@ class ParamSpec:
 
     @classmethod
     def of(cls, param: torch.Tensor) -> ParamSpec:
-        """Read a parameter's layout-relevant attributes (``allreduce=False`` marks expert params)."""
+        """Read a parameter's layout-relevant attributes."""
         return cls(
             shape=tuple(param.shape),
             dtype=param.dtype,
-            is_expert_parallel=not getattr(param, "allreduce", True),
+            is_expert_parallel=is_expert_parallel(param),
             shared_embedding=bool(getattr(param, "shared_embedding", False)),
         )
+
+
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    """Megatron's marker: an expert param carries ``allreduce=False`` and is reduced over expt_dp only."""
+    return not getattr(param, "allreduce", True)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.buffers import DistributedDataParallelConfig, build_grad_buffers
+from gradsync.buffers import DistributedDataParallelConfig, build_grad_buffers, is_expert_parallel
 from gradsync.buffers.bucket_group import ParamAndGradBucketGroup
 from gradsync.groups import ModelParallelConfigProtocol, ProcessGroupCollection
 
@@ -228,8 +228,7 @@ class DistributedDataParallel(_BaseDataParallel):
     def broadcast_params(self) -> None:
         """Copy rank 0's params (frozen ones too) to every data-parallel replica."""
         for param in self.module.parameters():
-            expert = not getattr(param, "allreduce", True)
-            group = self.pg_collection.expt_dp if expert else self.pg_collection.dp_cp
+            group = self.pg_collection.expt_dp if is_expert_parallel(param) else self.pg_collection.dp_cp
             assert group is not None
             dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 

@@ -16,14 +16,12 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import nn
 
+from gradsync.buffers import is_expert_parallel
+
 ParamSignature = tuple[str, tuple[int, ...], str, bool]
 
 
 EXPERT_PLACEHOLDER = "<expert param>"
-
-
-def _is_expert(param: nn.Parameter) -> bool:
-    return not getattr(param, "allreduce", True)
 
 
 def param_signatures(
@@ -31,7 +29,7 @@ def param_signatures(
 ) -> list[ParamSignature]:
     return [
         (
-            EXPERT_PLACEHOLDER if anonymous_experts and _is_expert(p) else name,
+            EXPERT_PLACEHOLDER if anonymous_experts and is_expert_parallel(p) else name,
             tuple(p.shape),
             str(p.dtype),
             p.requires_grad,
@@ -62,7 +60,7 @@ def check_params_match_across_ranks(
     """Raise ``ValueError`` on every rank if any rank of ``group`` wraps different params (experts: any
     rank of ``expert_group``)."""
     _check(param_signatures(named_params, anonymous_experts=True), group, "data-parallel")
-    experts = [(name, p) for name, p in named_params if _is_expert(p)]
+    experts = [(name, p) for name, p in named_params if is_expert_parallel(p)]
     if experts and expert_group is not None:  # every rank of `group` agrees here: the check above passed
         _check(param_signatures(experts), expert_group, "expert-data-parallel")
 
