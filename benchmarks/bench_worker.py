@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from toygpt.data import Corpus, local_rows
-from toygpt.model import GPTConfig, GPTStage
+from toygpt.model import GPTConfig, GPTStage, next_token_loss
 
 from gradsync.finalize import finalize_model_grads
 from gradsync.groups import initialize_model_parallel
@@ -33,7 +32,7 @@ def bytes_written() -> int:
 
 
 def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    return next_token_loss(model(tokens[:, :-1]), tokens)
 
 
 def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Step:

@@ -10,9 +10,8 @@ import dataclasses
 from functools import lru_cache
 
 import torch
-import torch.nn.functional as F
 from toygpt.data import Corpus
-from toygpt.model import GPTConfig, GPTStage
+from toygpt.model import GPTConfig, GPTStage, next_token_loss
 from train import Options, make_optimizer
 
 # Small enough for 8 gloo ranks on 2 cores; SGD with momentum, which shows scale errors Adam would hide.
@@ -71,7 +70,7 @@ def reference(opts: Options) -> tuple[list[float], dict[str, torch.Tensor]]:
     for step in range(opts.steps):
         batch = corpus.batch(step, opts.global_batch, opts.seq_len, seed=opts.seed)
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+        loss = next_token_loss(model(batch[:, :-1]), batch)
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         losses.append(float(loss.detach()))

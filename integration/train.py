@@ -16,20 +16,21 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from toygpt import checkpoint
 from toygpt.data import Corpus, local_rows
 from toygpt.full_state import gather_full_params
 from toygpt.model import GPTConfig, GPTStage
 from toygpt.pipeline import forward_backward, global_loss
 from toygpt.report import StepRecord, progress_line, records_to_json, write_report
-from toygpt.strategies import STRATEGIES, wrap
+from toygpt.strategies import STRATEGIES, OptimizerFactory, wrap
 
 from gradsync.finalize import finalize_model_grads
 from gradsync.groups import (
@@ -79,8 +80,8 @@ class RunResult:
     report: Path | None = None
 
 
-def make_optimizer(opts: Options):  # type: ignore[no-untyped-def]
-    def build(params: Any) -> torch.optim.Optimizer:
+def make_optimizer(opts: Options) -> OptimizerFactory:
+    def build(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         if opts.optimizer == "sgd":
             return torch.optim.SGD(params, lr=opts.lr, momentum=0.9)
         if opts.optimizer == "adamw":
@@ -106,11 +107,6 @@ def run(opts: Options) -> RunResult:
     local_batch = opts.global_batch // dp_size
     if local_batch % opts.microbatches:
         raise ValueError(f"--microbatches {opts.microbatches} must divide the per-rank batch {local_batch}")
-    hidden = (
-        local_batch // opts.microbatches,
-        opts.seq_len // stage.tp.size if stage.tp.sequence_parallel else opts.seq_len,
-        opts.d_model,
-    )
     layout = {k: getattr(opts, k) for k in ("strategy", "tp", "pp", "ep", "sequence_parallel", "moe")} | {
         "world": dist.get_world_size()
     }
@@ -128,7 +124,7 @@ def run(opts: Options) -> RunResult:
         model.zero_grad_buffer()  # a new step: empty grad buffers, reset the bucket groups
         optimizer.zero_grad()
         batch = corpus.batch(step, opts.global_batch, opts.seq_len, seed=opts.seed)
-        loss = forward_backward(model, stage, shard(batch), groups.pp, hidden)
+        loss = forward_backward(model, stage, shard(batch), groups.pp)
         t1 = time.perf_counter()
         finalize_model_grads([model], pg_collection=groups)
         t2 = time.perf_counter()
@@ -147,7 +143,7 @@ def run(opts: Options) -> RunResult:
         if opts.eval_every and (step + 1) % opts.eval_every == 0:
             val = corpus.batch(0, opts.global_batch, opts.seq_len, split="val", seed=opts.seed)
             record.val_loss = global_loss(
-                forward_backward(model, stage, shard(val), groups.pp, hidden, forward_only=True),
+                forward_backward(model, stage, shard(val), groups.pp, forward_only=True),
                 groups.dp_cp,
                 groups.pp,
             )

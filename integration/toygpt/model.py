@@ -233,6 +233,11 @@ class GPTStage(nn.Module):
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
         return self.wte.weight if self.pre_process else self.output_weight
 
+    def activation_shape(self, rows: int) -> tuple[int, int, int]:
+        """What one stage hands the next for ``rows`` sequences (this rank's part of it with SP)."""
+        seq = self.cfg.seq_len // self.tp.size if self.tp.sequence_parallel else self.cfg.seq_len
+        return rows, seq, self.cfg.d_model
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens [batch, seq] on the first stage, else hidden states; logits on the last stage."""
         if self.pre_process:
@@ -244,6 +249,11 @@ class GPTStage(nn.Module):
             return x
         h = self.tp.gather_sequence(self.ln_f(x))
         return F.linear(h, self.shared_embedding_or_output_weight())
+
+
+def next_token_loss(logits: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting each window's bytes 1..n from the logits over bytes 0..n-1."""
+    return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
 
 
 def check_divisible(cfg: GPTConfig, *, tp: int, pp: int, ep: int) -> None:

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from .model import GPTStage, next_token_loss
 from .parallel_ops import group_size
 
 
@@ -24,10 +24,9 @@ def _peer(group: dist.ProcessGroup, offset: int) -> int:
 
 def forward_backward(
     model: nn.Module,
-    stage: Any,
+    stage: GPTStage,
     microbatches: list[torch.Tensor],
     pp_group: dist.ProcessGroup | None,
-    hidden_shape: tuple[int, ...],
     *,
     forward_only: bool = False,
 ) -> torch.Tensor:
@@ -44,12 +43,12 @@ def forward_backward(
                 x = tokens[:, :-1]
             else:
                 assert pp_group is not None
-                x = torch.empty(hidden_shape, device=device)
+                x = torch.empty(stage.activation_shape(tokens.shape[0]), device=device)
                 dist.recv(x, _peer(pp_group, -1))
                 x.requires_grad_(not forward_only)
             y = model(x)
             if stage.post_process:
-                y = F.cross_entropy(y.flatten(0, 1), tokens[:, 1:].flatten()) / count
+                y = next_token_loss(y, tokens) / count
                 loss = loss + y.detach()
             else:
                 assert pp_group is not None
