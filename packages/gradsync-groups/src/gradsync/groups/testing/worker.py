@@ -93,6 +93,10 @@ def worker_main(spec: WorkerSpec, tasks: Queue[bytes | None], outcomes: Queue[Ou
         outcomes.put(_failure(spec.rank, -1, exc))
         return
     outcomes.put(Outcome(spec.rank, -1, ok=True))
+    # What is alive now (torch and its modules) lives as long as the rank: keep it out of the collections
+    # after every task, which then cost microseconds instead of ~90 ms.
+    gc.collect()
+    gc.freeze()
     while (task := tasks.get()) is not None:
         outcomes.put(_run_task(spec, task))
     # A barrier before teardown avoids gloo's "terminate called without an active exception" at exit.
