@@ -34,21 +34,25 @@ def progress_line(r: StepRecord, total_steps: int) -> str:
     )
 
 
+def steady_median(records: list[StepRecord], attr: str) -> float:
+    """Median of ``attr`` over the steps after the first (which pays for warm-up)."""
+    return float(statistics.median(getattr(r, attr) for r in (records[1:] or records)))
+
+
 def _summary_row(name: str, records: list[StepRecord]) -> str:
-    steady = records[1:] or records  # the first step pays for warm-up
     val = [r.val_loss for r in records if r.val_loss is not None]
 
     def ms(attr: str) -> float:
-        return 1000 * float(statistics.median(getattr(r, attr) for r in steady))
+        return 1000 * steady_median(records, attr)
 
     val_text = f"{val[-1]:.4f}" if val else "–"
     return (
         f"| {name} | {len(records)} | {records[0].loss:.4f} | {records[-1].loss:.4f} | {val_text} | "
-        f"{statistics.median(r.tokens_per_s for r in steady):.0f} | {ms('step_s'):.1f} | "
+        f"{steady_median(records, 'tokens_per_s'):.0f} | {ms('step_s'):.1f} | "
         f"{ms('compute_s'):.1f} | "
         f"{ms('sync_s'):.1f} | {ms('optimizer_s'):.1f} | "
-        f"{100 * statistics.median(r.exposed_comm for r in steady):.1f}% | "
-        f"{statistics.median(r.comm_bytes for r in steady) / 2**20:.2f} |"
+        f"{100 * steady_median(records, 'exposed_comm'):.1f}% | "
+        f"{steady_median(records, 'comm_bytes') / 2**20:.2f} |"
     )
 
 
@@ -101,9 +105,7 @@ def _plot(path: Path, runs: dict[str, list[StepRecord]]) -> Path | None:
         ("sync_s", "grad-sync wait"),
         ("optimizer_s", "optimizer"),
     ):
-        heights = [
-            1000 * statistics.median(getattr(r, attr) for r in (runs[n][1:] or runs[n])) for n in names
-        ]
+        heights = [1000 * steady_median(runs[n], attr) for n in names]
         time_ax.bar(names, heights, bottom=bottom, label=label)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     time_ax.set(ylabel="ms per step (median)", title="step-time breakdown")
