@@ -48,6 +48,21 @@ def test_wraps_adamw_with_its_weight_decay() -> None:
     assert max_relative_difference(got, reference_training("adamw", 2, 1, 3)) < 1e-5
 
 
+def zero_grad_leaves_the_buffers_to_the_model() -> tuple[bool, bool]:
+    trainer = Trainer.build(DISTOPT, "sgd")
+    trainer.step(0, dist.get_rank(), dist.get_world_size(), 1)
+    grads = trainer.ddp.buffers[0].grad_data
+    trainer.optimizer.zero_grad()
+    kept = bool(grads.any())
+    trainer.ddp.zero_grad_buffer()
+    return kept, not grads.any()
+
+
+def test_optimizer_zero_grad_leaves_the_grad_buffers_to_zero_grad_buffer() -> None:
+    """As in the reference, the loop calls both every iteration: one pass over the buffers, not two."""
+    assert run_distributed(zero_grad_leaves_the_buffers_to_the_model, 2) == [(True, True)] * 2
+
+
 def state_numel() -> tuple[int, int, int]:
     trainer = Trainer.build(DISTOPT, "adam")
     trainer.step(0, dist.get_rank(), dist.get_world_size(), 1)

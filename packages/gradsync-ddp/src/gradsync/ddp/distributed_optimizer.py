@@ -111,12 +111,11 @@ class DistributedOptimizer:
         return self.optimizer.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the shard grads and zero every model chunk's grad buffers (a new iteration)."""
+        """Drop the shard grads. The grad buffers are the model's: ``zero_grad_buffer()`` on each chunk
+        empties them, called alongside this at the start of every iteration, as in the reference."""
         for piece in self.pieces:
             piece.main.grad = None
         self._grads_loaded = False
-        for chunk in self.model_chunks:
-            chunk.zero_grad_buffer()
 
     def _counted_in_norm(self, piece: ShardPiece) -> bool:
         """Params replicated across TP ranks are counted once (on TP rank 0)."""
