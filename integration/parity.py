@@ -12,7 +12,7 @@ from functools import lru_cache
 import torch
 from toygpt.data import Corpus
 from toygpt.model import GPTConfig, GPTStage, next_token_loss
-from train import Options, make_optimizer
+from train import Options, make_optimizer, param_dtype
 
 # Small enough for 8 gloo ranks on 2 cores; SGD with momentum, which shows scale errors Adam would hide.
 BASE = Options(
@@ -63,16 +63,27 @@ def reference(opts: Options) -> tuple[list[float], dict[str, torch.Tensor]]:
     cfg = GPTConfig(
         seq_len=opts.seq_len, d_model=opts.d_model, n_head=opts.n_head, n_layer=opts.n_layer, moe=opts.moe
     )
-    model = GPTStage(cfg)
-    optimizer = make_optimizer(opts)(model.parameters())
+    model = GPTStage(cfg).to(param_dtype(opts))
+    params = list(model.parameters())
+    # bf16: the same recipe as the parallel runs, fp32 main params stepped with the grads in fp32.
+    mains = [torch.nn.Parameter(p.detach().float()) for p in params] if opts.bf16 else params
+    optimizer = make_optimizer(opts)(mains)
     corpus = Corpus.from_stdlib(opts.corpus_bytes)
     losses = []
     for step in range(opts.steps):
         batch = corpus.batch(step, opts.global_batch, opts.seq_len, seed=opts.seed)
         optimizer.zero_grad()
+        model.zero_grad()
         loss = next_token_loss(model(batch[:, :-1]), batch)
         loss.backward()  # type: ignore[no-untyped-call]
+        for main, param in zip(mains, params, strict=True):
+            if main is not param:
+                main.grad = None if param.grad is None else param.grad.float()
         optimizer.step()
+        with torch.no_grad():
+            for main, param in zip(mains, params, strict=True):
+                if main is not param:
+                    param.copy_(main)
         losses.append(float(loss.detach()))
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 

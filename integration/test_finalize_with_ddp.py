@@ -72,3 +72,55 @@ def tied_grads_after_reduce_scatter(mark_shared: bool) -> None:
 @pytest.mark.parametrize("mark_shared", [True, False])
 def test_tied_grads_are_right_after_a_reduce_scatter(mark_shared: bool) -> None:
     run_distributed(tied_grads_after_reduce_scatter, 4, args=(mark_shared,))
+
+
+class SequenceParallelBlock(nn.Module):
+    """A layernorm replicated across TP (its grads are summed over TP with sequence parallelism) and a
+    dense layer, in bf16."""
+
+    def __init__(self, config: ModelParallelConfig) -> None:
+        super().__init__()
+        self.config = config
+        torch.manual_seed(0)
+        self.norm = nn.LayerNorm(8)
+        for param in self.norm.parameters():
+            param.sequence_parallel = True  # type: ignore[attr-defined]
+        self.dense = nn.Linear(8, 8)
+        self.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense(self.norm(x)).float().sum()
+
+
+def optimizer_grads_are_the_finalized_ones(grad_reduce_in_fp32: bool, with_tokens: bool) -> None:
+    rank = dist.get_rank()
+    groups = initialize_model_parallel(tensor_model_parallel_size=2)
+    config = ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=True
+    )
+    ddp = DistributedDataParallel(config, ddp_config, SequenceParallelBlock(config), pg_collection=groups)
+    ddp.zero_grad_buffer()
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    ddp(x).backward()
+    unfinished = {n: p.main_grad.clone() for n, p in ddp.module.named_parameters()}  # type: ignore[attr-defined]
+    num_tokens = torch.tensor(5 * (rank + 1))
+    finalize_model_grads([ddp], num_tokens=num_tokens if with_tokens else None, pg_collection=groups)
+    if with_tokens:
+        assert int(num_tokens) == sum(5 * (r + 1) for r in dist.get_process_group_ranks(groups.dp_cp))  # type: ignore[arg-type]
+    for name, param in ddp.module.named_parameters():
+        main_grad = param.main_grad  # type: ignore[attr-defined]
+        assert param.grad is not None
+        assert param.grad.dtype == torch.bfloat16
+        assert torch.equal(param.grad, main_grad.to(torch.bfloat16)), name  # what torch.optim steps on
+        if name.startswith("norm."):
+            assert not torch.equal(main_grad, unfinished[name])  # finalize did sum it over TP
+    destroy_process_groups(groups)
+
+
+@pytest.mark.parametrize("with_tokens", [False, True], ids=["tp-sums", "tp-sums-and-num-tokens"])
+@pytest.mark.parametrize("grad_reduce_in_fp32", [False, True])
+def test_a_plain_optimizer_reads_the_finalized_grads_of_a_bf16_model(
+    grad_reduce_in_fp32: bool, with_tokens: bool
+) -> None:
+    run_distributed(optimizer_grads_are_the_finalized_ones, 4, args=(grad_reduce_in_fp32, with_tokens))

@@ -49,6 +49,7 @@ class Options:
     ep: int = 1
     sequence_parallel: bool = False
     moe: bool = False
+    bf16: bool = False  # bf16 weights, grads reduced in fp32, fp32 main params in the optimizer
     steps: int = 600
     global_batch: int = 32
     microbatches: int = 1
@@ -91,6 +92,10 @@ def make_optimizer(opts: Options) -> OptimizerFactory:
     return build
 
 
+def param_dtype(opts: Options) -> torch.dtype:
+    return torch.bfloat16 if opts.bf16 else torch.float32
+
+
 def run(opts: Options) -> RunResult:
     """Train on the already initialised default process group; every rank calls this."""
     rank = dist.get_rank()
@@ -99,8 +104,8 @@ def run(opts: Options) -> RunResult:
     cfg = GPTConfig(
         seq_len=opts.seq_len, d_model=opts.d_model, n_head=opts.n_head, n_layer=opts.n_layer, moe=opts.moe
     )
-    stage = GPTStage(cfg, groups, opts.sequence_parallel).to(device)
-    wrapped = wrap(opts.strategy, stage, groups, make_optimizer(opts), opts.bucket_size)
+    stage = GPTStage(cfg, groups, opts.sequence_parallel).to(device, param_dtype(opts))
+    wrapped = wrap(opts.strategy, stage, groups, make_optimizer(opts), opts.bucket_size, bf16=opts.bf16)
     model, optimizer = wrapped.model, wrapped.optimizer
     corpus = Corpus.from_stdlib(opts.corpus_bytes)
     dp_rank, dp_size = groups.dp_cp.rank(), groups.dp_cp.size()  # type: ignore[union-attr]

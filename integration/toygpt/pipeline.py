@@ -43,7 +43,8 @@ def forward_backward(
                 x = tokens[:, :-1]
             else:
                 assert pp_group is not None
-                x = torch.empty(stage.activation_shape(tokens.shape[0]), device=device)
+                dtype = next(stage.parameters()).dtype  # activations travel in the weights' dtype
+                x = torch.empty(stage.activation_shape(tokens.shape[0]), device=device, dtype=dtype)
                 dist.recv(x, _peer(pp_group, -1))
                 x.requires_grad_(not forward_only)
             y = model(x)

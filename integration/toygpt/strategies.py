@@ -80,12 +80,17 @@ def _wrap_ddp(
     groups: ProcessGroupCollection,
     make_optimizer: OptimizerFactory,
     bucket_size: int | None,
+    bf16: bool,
 ) -> Wrapped:
-    ddp_config = DistributedDataParallelConfig(bucket_size=bucket_size, **strategy.options)
+    """bf16 weights get Megatron's mixed-precision recipe: grads reduced in fp32, fp32 main params."""
+    ddp_config = DistributedDataParallelConfig(
+        bucket_size=bucket_size, grad_reduce_in_fp32=bf16, **strategy.options
+    )
     model = DistributedDataParallel(stage.config, ddp_config, stage, pg_collection=groups)  # type: ignore[arg-type]
     optimizer = make_optimizer(model.parameters())
-    if ddp_config.use_distributed_optimizer:
-        return Wrapped(model, DistributedOptimizer(optimizer, model), sharded_optimizer=True)
+    sharded = ddp_config.use_distributed_optimizer
+    if sharded or bf16:
+        return Wrapped(model, DistributedOptimizer(optimizer, model), sharded_optimizer=sharded)
     return Wrapped(model, optimizer, sharded_optimizer=False)
 
 
@@ -98,8 +103,10 @@ def wrap(
     groups: ProcessGroupCollection,
     make_optimizer: OptimizerFactory,
     bucket_size: int | None = None,
+    *,
+    bf16: bool = False,
 ) -> Wrapped:
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
     strategy = STRATEGIES[name]
-    return WRAPPERS[strategy.wrapper](strategy, stage, groups, make_optimizer, bucket_size)
+    return WRAPPERS[strategy.wrapper](strategy, stage, groups, make_optimizer, bucket_size, bf16)

@@ -8,10 +8,23 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from buffers_testkit import buffers_for, model_parallel, toy_model
+from buffers_testkit import (
+    buffers_for,
+    device,
+    emulate_backward,
+    expected_grads,
+    fill_local_grads,
+    finish_first_iteration,
+    model_parallel,
+    rank_grad_of,
+    toy_model,
+    with_and_without_probe,
+)
+from torch import nn
 
 from gradsync.buffers import (
     DistributedDataParallelConfig,
+    GradBuffers,
     ParamAndGradBuffer,
     collectives,
     compute_param_layout,
@@ -62,7 +75,7 @@ def fp32_local_accumulation() -> None:
             if param in promoted:
                 assert param.main_grad.dtype == torch.float32, name  # type: ignore[attr-defined]
                 assert param.main_grad_copy_in_grad_buffer.dtype == torch.bfloat16  # type: ignore[attr-defined]
-                assert not param.main_grad.any()  # zeroed, never uninitialised  # type: ignore[attr-defined]
+                assert not param.main_grad.any()  # type: ignore[attr-defined]  # zeroed, never uninitialised
             else:
                 assert param.main_grad.dtype == torch.bfloat16  # type: ignore[attr-defined]
                 assert not hasattr(param, "main_grad_copy_in_grad_buffer")
@@ -71,12 +84,6 @@ def fp32_local_accumulation() -> None:
             param.main_grad.fill_(4.0)  # type: ignore[attr-defined]
         buffer.scale_gradients(0.5)
         assert all(torch.equal(p.main_grad, torch.full_like(p.main_grad, 2.0)) for p in promoted)  # type: ignore[attr-defined]
-        for param in promoted:
-            param.main_grad.fill_(1.0)  # type: ignore[attr-defined]
-        buffers.finish_grad_sync()
-        for param in promoted:
-            assert torch.equal(param.main_grad, param.main_grad_copy_in_grad_buffer.float())  # type: ignore[attr-defined]
-            assert torch.equal(param.main_grad, torch.ones_like(param.main_grad))  # type: ignore[attr-defined]
         every = buffers_for(
             toy_model(num_layers=2, dtype=torch.bfloat16),
             DistributedDataParallelConfig(param_name_patterns_for_fp32_local_accumulation=("all",)),
@@ -89,6 +96,47 @@ def test_fp32_local_accumulation_for_matching_params() -> None:
     run_distributed(fp32_local_accumulation, 2)
 
 
+def fp32_local_accumulation_syncs(overlap: bool) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = DistributedDataParallelConfig(
+        param_name_patterns_for_fp32_local_accumulation=("*.weight",),
+        overlap_grad_reduce=overlap,
+        bucket_size=700 if overlap else None,
+    )
+    built: list[tuple[nn.Sequential, GradBuffers]] = []
+    with model_parallel() as groups:
+
+        def run() -> list[torch.Tensor]:
+            model = toy_model(num_layers=3, dtype=torch.bfloat16)
+            buffers = buffers_for(model, config, groups)
+            built.append((model, buffers))
+            if overlap:
+                finish_first_iteration(buffers, model)
+            emulate_backward(buffers, model, rank_grad_of(buffers, rank))
+            buffers.finish_grad_sync()
+            weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+            # Once the sync has finished, each fp32 main grad holds the reduced value of its buffer copy.
+            for weight in weights:
+                assert torch.equal(weight.main_grad, weight.main_grad_copy_in_grad_buffer.float())  # type: ignore[attr-defined]
+            return [buffers.buffers[0].grad_data, *(w.main_grad for w in weights)]  # type: ignore[attr-defined]
+
+        grad_data, *main_grads = with_and_without_probe(run, seed=rank)
+        model, buffers = built[0]
+        (buffer,) = buffers.buffers
+        assert len(buffers.bucket_groups) > 1 if overlap else len(buffers.bucket_groups) == 1
+        expected = expected_grads(buffer, rank, range(world), 1.0 / world, average=False, shard=None)
+        assert torch.equal(grad_data, expected)
+        weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        for weight, main_grad in zip(weights, main_grads, strict=True):
+            start, end, _ = buffer.param_index_map[weight]
+            assert torch.equal(main_grad, expected[start:end].float().view(weight.shape))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fp32_main_grads_receive_the_reduced_grads(overlap: bool) -> None:
+    run_distributed(fp32_local_accumulation_syncs, 2, args=(overlap,))
+
+
 class Counting:
     def __init__(self, inner: Any) -> None:
         self.inner, self.calls = inner, 0
@@ -99,24 +147,31 @@ class Counting:
 
 
 def substitutable_collectives_and_stats() -> None:
-    world = dist.get_world_size()
+    rank, world = dist.get_rank(), dist.get_world_size()
     with model_parallel() as groups:
         model = toy_model(num_layers=2)
         buffers = buffers_for(model, DistributedDataParallelConfig(use_distributed_optimizer=True), groups)
+        (buffer,) = buffers.buffers
         counting = Counting(collectives.dist_reduce_scatter_func)
         collectives.dist_reduce_scatter_func = counting
         try:
-            buffers.buffers[0].grad_data.fill_(1.0)
+            fill_local_grads(buffers, rank)
             buffers.finish_grad_sync(force_all_reduce=True)
             assert counting.calls == 0
-            assert torch.equal(buffers.buffers[0].grad_data, torch.ones_like(buffers.buffers[0].grad_data))
+            reduced = expected_grads(buffer, rank, range(world), 1.0 / world, average=False, shard=None)
+            assert torch.equal(buffer.grad_data, reduced)
             buffers.reset()
+            fill_local_grads(buffers, rank)
             buffers.finish_grad_sync()
             assert counting.calls == 1
+            scattered = expected_grads(
+                buffer, rank, range(world), 1.0 / world, average=False, shard=(rank, world)
+            )
+            assert torch.equal(buffer.grad_data, scattered)
         finally:
             collectives.dist_reduce_scatter_func = counting.inner
         (record,) = buffers.bucket_groups[0].stats.records
-        grad_data = buffers.buffers[0].grad_data
+        grad_data = buffer.grad_data
         assert (record.op, record.bytes, record.group_size) == (
             "reduce_scatter",
             grad_data.numel() * 4,
@@ -165,10 +220,18 @@ def cuda_only_features_refused() -> None:
             match="Parameter layout was built for 4 optimizer shards but the buffer's data-parallel group has 2 ranks",
         ):
             ParamAndGradBuffer(
-                distopt, torch.float32, torch.float32, named, groups.dp, None, 1.0, param_layout=layout
-            )  # type: ignore[arg-type]
+                distopt,
+                torch.float32,
+                torch.float32,
+                named,
+                groups.dp,  # type: ignore[arg-type]
+                None,
+                1.0,
+                param_layout=layout,
+            )
 
 
+@pytest.mark.skipif(device().type != "cpu", reason="checks the refusal on CPU tensors over gloo")
 def test_cuda_only_features_are_refused_off_cuda() -> None:
     run_distributed(cuda_only_features_refused, 2)
 
@@ -182,7 +245,7 @@ def missing_groups_are_named() -> None:
         build_grad_buffers(
             list(model.named_parameters()), DistributedDataParallelConfig(), ProcessGroupCollection()
         )
-    model[0].weight.allreduce = False  # type: ignore[attr-defined]
+    model[0].weight.allreduce = False  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="pg_collection needs one of intra_expt_dp, expt_dp"):
         build_grad_buffers(
             list(model.named_parameters()),

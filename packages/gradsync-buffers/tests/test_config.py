@@ -98,13 +98,22 @@ def test_incompatible_combinations_are_rejected(kwargs: dict[str, object], messa
         DistributedDataParallelConfig(**kwargs)  # type: ignore[arg-type]
 
 
-def test_valid_combinations() -> None:
-    DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_param_gather=True, overlap_grad_reduce=True
-    )
-    DistributedDataParallelConfig(use_megatron_fsdp=True, overlap_param_gather=True)
-    DistributedDataParallelConfig(use_distributed_optimizer=True, reduce_scatter_with_fp32_accumulation=True)
-    DistributedDataParallelConfig(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
+VALID_COMBINATIONS = [
+    {"use_distributed_optimizer": True, "overlap_param_gather": True, "overlap_grad_reduce": True},
+    {"use_megatron_fsdp": True, "overlap_param_gather": True},
+    {"use_distributed_optimizer": True, "reduce_scatter_with_fp32_accumulation": True},
+    {"use_distributed_optimizer": True, "num_distributed_optimizer_instances": 2},
+]
+
+
+@pytest.mark.parametrize("kwargs", VALID_COMBINATIONS)
+def test_valid_combinations_are_kept_as_given(kwargs: dict[str, object]) -> None:
+    config = DistributedDataParallelConfig(**kwargs)  # type: ignore[arg-type]
+    for name, value in kwargs.items():
+        assert getattr(config, name) == value, name
+    untouched = {f.name for f in dataclasses.fields(config)} - set(kwargs)
+    for name in untouched:
+        assert getattr(config, name) == getattr(DistributedDataParallelConfig(), name), name
 
 
 def test_nccl_ub_implies_double_buffer() -> None:

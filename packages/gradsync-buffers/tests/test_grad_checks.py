@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
-from buffers_testkit import buffers_for, model_parallel, toy_model
+from buffers_testkit import buffers_for, device, model_parallel, toy_model
 
 from gradsync.buffers import DistributedDataParallelConfig, LargeGradDetector
 from gradsync.groups.testing import run_distributed
@@ -16,9 +19,9 @@ def nan_and_inf_are_named(kind: str) -> None:
     with model_parallel() as groups:
         model = toy_model(num_layers=3)
         buffers = buffers_for(model, DistributedDataParallelConfig(check_for_nan_in_grad=True), groups)
-        model[1].weight.main_grad[2, 3] = float("nan") if kind == "NaN" else float("inf")
+        model[1].weight.main_grad[2, 3] = float("nan") if kind == "NaN" else float("inf")  # type: ignore[union-attr,operator]
         message = (
-            rf"Rank {rank}, node .*, device cpu: Unexpected result (nan|inf) \(message='found {kind} in local "
+            rf"Rank {rank}, node .*, device {re.escape(str(device()))}: Unexpected result (nan|inf) \(message='found {kind} in local "
             r"grad norm for bucket #0 in backward pass before data-parallel communication collective'\); "
             r"first offending param: 1\.weight"
         )
@@ -45,7 +48,9 @@ def large_grads_warn() -> None:
             buffers.finish_grad_sync()
         buffers.reset()
         buffers.buffers[0].grad_data.fill_(9.0)
-        buffers.finish_grad_sync()  # 9x the largest seen: no warning
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # 9x the largest seen: no warning
+            buffers.finish_grad_sync()
         buffers.reset()
         buffers.buffers[0].grad_data.fill_(10.5)
         with pytest.warns(RuntimeWarning, match="found unexpected large grads in bucket #0"):

@@ -4,38 +4,58 @@ from __future__ import annotations
 
 import pytest
 import torch
-from buffers_testkit import buffers_for, emulate_backward, finish_first_iteration, model_parallel, toy_model
+import torch.distributed as dist
+from buffers_testkit import (
+    buffers_for,
+    emulate_backward,
+    expected_grads,
+    finish_first_iteration,
+    model_parallel,
+    rank_grad_of,
+    toy_model,
+    with_and_without_probe,
+)
 
-from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.buffers import DistributedDataParallelConfig, GradBuffers
 from gradsync.groups.testing import run_distributed
 
 OVERLAP = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=600)
 
 
 def dispatch_the_moment_counts_match() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    built: list[GradBuffers] = []
     with model_parallel() as groups:
-        model = toy_model(num_layers=3)
-        buffers = buffers_for(model, OVERLAP, groups)
-        groups_list = buffers.bucket_groups
-        assert len(groups_list) == 3
-        emulate_backward(buffers, model)  # first iteration: only counts
-        assert not any(g.grad_reduce_dispatched for g in groups_list)
-        buffers.finish_grad_sync()  # dispatch + wait everything
-        buffers.reset()
-        params = list(model.named_parameters())
-        for name, param in reversed(params):
-            param.main_grad.add_(1.0)  # type: ignore[attr-defined]
-            (group,) = [g for g in groups_list if param in g.params]
-            before = group.grad_reduce_dispatched
-            group.register_grad_ready(param)
-            last_of_group = all(p in group.per_param_grad_ready_counts for p in group.params)
-            assert group.grad_reduce_dispatched == last_of_group, name
-            assert not before
-        buffers.finish_grad_sync()
-        for buffer in buffers.buffers:
-            assert torch.equal(buffer.grad_data, torch.full_like(buffer.grad_data, 1.0))
-        buffers.finish_grad_sync()  # idempotent within an iteration when overlapping
-        assert torch.equal(buffers.buffers[0].grad_data, torch.ones_like(buffers.buffers[0].grad_data))
+
+        def run() -> list[torch.Tensor]:
+            model = toy_model(num_layers=3)
+            buffers = buffers_for(model, OVERLAP, groups)
+            built.append(buffers)
+            groups_list = buffers.bucket_groups
+            assert len(groups_list) == 3
+            emulate_backward(buffers, model)  # first iteration: only counts
+            assert not any(g.grad_reduce_dispatched for g in groups_list)
+            buffers.finish_grad_sync()  # dispatch + wait everything
+            buffers.reset()
+            grad_of = rank_grad_of(buffers, rank)
+            for name, param in reversed(list(model.named_parameters())):
+                param.main_grad.add_(grad_of(param))  # type: ignore[attr-defined]
+                (group,) = [g for g in groups_list if param in g.params]
+                before = group.grad_reduce_dispatched
+                group.register_grad_ready(param)
+                last_of_group = all(p in group.per_param_grad_ready_counts for p in group.params)
+                assert group.grad_reduce_dispatched == last_of_group, name
+                assert not before
+            buffers.finish_grad_sync()
+            once = buffers.buffers[0].grad_data.clone()
+            buffers.finish_grad_sync()  # idempotent within an iteration when overlapping
+            assert torch.equal(buffers.buffers[0].grad_data, once)
+            return [buffers.buffers[0].grad_data]
+
+        (result,) = with_and_without_probe(run, seed=rank)
+        (buffer,) = built[0].buffers
+        expected = expected_grads(buffer, rank, range(world), 1.0 / world, average=False, shard=None)
+        assert torch.equal(result, expected)
 
 
 def test_groups_dispatch_when_their_last_grad_arrives() -> None:
@@ -110,19 +130,23 @@ def test_readiness_misuse_is_reported() -> None:
 
 
 def no_sync_keeps_counting_off() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
     with model_parallel() as groups:
         model = toy_model(num_layers=2)
         buffers = buffers_for(model, OVERLAP, groups)
         finish_first_iteration(buffers, model)
         for group in buffers.bucket_groups:
             group.is_last_microbatch = False  # what no_sync does
-        emulate_backward(buffers, model)
+        emulate_backward(buffers, model, rank_grad_of(buffers, rank))
         assert not any(g.per_param_grad_ready_counts for g in buffers.bucket_groups)
+        assert not any(g.grad_reduce_dispatched for g in buffers.bucket_groups)
         for group in buffers.bucket_groups:
             group.is_last_microbatch = True
-        emulate_backward(buffers, model)
+        emulate_backward(buffers, model, rank_grad_of(buffers, rank))
         buffers.finish_grad_sync()
-        assert torch.equal(buffers.buffers[0].grad_data, torch.full_like(buffers.buffers[0].grad_data, 2.0))
+        (buffer,) = buffers.buffers
+        once = expected_grads(buffer, rank, range(world), 1.0 / world, average=False, shard=None)
+        assert torch.equal(buffer.grad_data, once * 2)  # both microbatches, reduced once
 
 
 def test_microbatches_outside_the_last_only_accumulate() -> None:

@@ -1,5 +1,8 @@
 """A tiny GPT (embedding, attention, MLP, layernorm, tied output) and the data and training loops the DDP
-tests share. Spawned ranks import this module, so everything stays at module level."""
+tests share. Spawned ranks import this module, so everything stays at module level.
+
+Models and batches live on the harness device (:func:`test_device`), but are always drawn on the CPU
+first: every device starts from the same weights and data, and CPU runs are unchanged."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from torch import nn
 from gradsync.buffers import DistributedDataParallelConfig
 from gradsync.ddp import DistributedDataParallel, DistributedOptimizer
 from gradsync.groups import ModelParallelConfig
+from gradsync.groups.testing import test_device
 
 VOCAB, DIM, HEADS, SEQ, MICRO_ROWS = 32, 16, 2, 8, 2
 
@@ -43,6 +47,7 @@ class TinyGPT(nn.Module):
         self.ln2 = nn.LayerNorm(DIM)
         self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
         self.ln_f = nn.LayerNorm(DIM)
+        self.to(test_device())
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens) + self.position
@@ -54,7 +59,8 @@ class TinyGPT(nn.Module):
 
 def global_batch(step: int, world: int, micro: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, VOCAB, (world * micro * MICRO_ROWS, SEQ), generator=generator)
+    tokens = torch.randint(0, VOCAB, (world * micro * MICRO_ROWS, SEQ), generator=generator)
+    return tokens.to(test_device())
 
 
 def local_microbatches(step: int, rank: int, world: int, micro: int) -> list[torch.Tensor]:
@@ -125,4 +131,6 @@ class Trainer:
 
 
 def max_relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """On the CPU: a rank's result may come back on its own GPU, the reference on another."""
+    a, b = a.cpu(), b.cpu()
     return float((a - b).abs().max() / b.abs().max().clamp_min(math.ulp(1.0)))

@@ -1,12 +1,9 @@
 """DistributedOptimizer: sharded state, grad clipping, checkpoints (bit-exact resume, other DP sizes),
-and results that do not depend on collective timing."""
+and results that do not depend on collective timing (the race probe of gradsync.groups.testing)."""
 
 from __future__ import annotations
 
 import io
-import random
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +23,7 @@ from ddp_testkit import (
 from gradsync.buffers import DistributedDataParallelConfig, collectives
 from gradsync.ddp import DistributedDataParallel, DistributedOptimizer
 from gradsync.groups import ModelParallelConfig
-from gradsync.groups.testing import run_distributed
+from gradsync.groups.testing import delayed_collectives, run_distributed
 
 DISTOPT = DistributedDataParallelConfig(
     use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=600
@@ -34,6 +31,8 @@ DISTOPT = DistributedDataParallelConfig(
 GATHER = DistributedDataParallelConfig(
     use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=600
 )
+# Module attributes gradsync.buffers.collectives looks up at call time, besides torch.distributed's own.
+COLLECTIVE_ALIASES = ((collectives, "dist_reduce_scatter_func"), (collectives, "dist_all_gather_func"))
 
 
 def adamw_params_after_three_steps() -> torch.Tensor:
@@ -117,6 +116,15 @@ def run_steps(trainer: Trainer, steps: range, world: int) -> None:
         trainer.step(step, dist.get_rank(), world, 1)
 
 
+def saved_on_rank_0(state: dict[str, Any]) -> bytes:
+    """What rank 0 writes to its checkpoint file, as every rank then reads it."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    everyone: list[Any] = [buffer.getvalue() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(everyone, src=0)
+    return everyone[0]  # type: ignore[no-any-return]
+
+
 def resume_is_bit_exact(config: DistributedDataParallelConfig, optimizer: str, sharded: bool) -> None:
     world = dist.get_world_size()
     uninterrupted = Trainer.build(config, optimizer)
@@ -130,11 +138,9 @@ def resume_is_bit_exact(config: DistributedDataParallelConfig, optimizer: str, s
             shards: list[Any] = [None] * world
             dist.all_gather_object(shards, mine)
         else:
-            buffer = io.BytesIO()
-            torch.save(first.optimizer.state_dict(), buffer)
+            saved = saved_on_rank_0(first.optimizer.state_dict())
     else:
-        buffer = io.BytesIO()
-        torch.save(first.optimizer.state_dict(), buffer)
+        saved = saved_on_rank_0(first.optimizer.state_dict())
     resumed = Trainer.build(
         config, optimizer, seed=123
     )  # different init: everything must come from the checkpoint
@@ -142,8 +148,9 @@ def resume_is_bit_exact(config: DistributedDataParallelConfig, optimizer: str, s
     if config.use_distributed_optimizer and sharded:
         resumed.optimizer.load_sharded_state_dict(shards)
     else:
-        buffer.seek(0)
-        resumed.optimizer.load_state_dict(torch.load(buffer, weights_only=False))
+        resumed.optimizer.load_state_dict(
+            torch.load(io.BytesIO(saved), map_location="cpu", weights_only=False)
+        )
     run_steps(resumed, range(10, 20), world)
     assert torch.equal(resumed.full_params(), uninterrupted.full_params())
 
@@ -178,12 +185,15 @@ def save_at_dp(path: str, sharded: bool) -> None:
 
 def load_at_dp(path: str, saved_world: int, sharded: bool) -> torch.Tensor:
     world = dist.get_world_size()
-    checkpoint = torch.load(path, weights_only=False)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     trainer = Trainer.build(DISTOPT, "adam", seed=7)
     trainer.ddp.load_state_dict(checkpoint["model"])
     if sharded:
         trainer.optimizer.load_sharded_state_dict(
-            [torch.load(f"{path}.shard{r}", weights_only=False) for r in range(saved_world)]
+            [
+                torch.load(f"{path}.shard{r}", map_location="cpu", weights_only=False)
+                for r in range(saved_world)
+            ]
         )
     else:
         trainer.optimizer.load_state_dict(checkpoint["optimizer"])
@@ -205,42 +215,42 @@ def test_reload_at_another_dp_size(tmp_path: Path, sharded: bool) -> None:
     assert max_relative_difference(params, flat_params(model)) <= 1e-6
 
 
-def delayed(function: Callable[..., Any], rng: random.Random) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(rng.uniform(0, 0.003))
-        return function(*args, **kwargs)
+def train_plain_then_probed(config: DistributedDataParallelConfig) -> None:
+    """Train twice from the same start: plainly, then under the race probe, whose asynchronous collectives
+    run only inside ``wait()`` (until then their outputs hold local, unreduced or ungathered values) and
+    start late, by different amounts on each rank. Any read before its wait changes the result."""
+    world = dist.get_world_size()
 
-    return call
-
-
-def train_with_delays(config: DistributedDataParallelConfig, inject: bool) -> torch.Tensor:
-    names = ("all_reduce", "broadcast", "all_gather_into_tensor", "all_to_all_single")
-    originals = {name: getattr(dist, name) for name in names}
-    original_rs = collectives.dist_reduce_scatter_func
-    if inject:
-        rng = random.Random(dist.get_rank())
-        for name in names:
-            setattr(dist, name, delayed(originals[name], rng))
-        collectives.dist_reduce_scatter_func = delayed(original_rs, rng)
-    try:
+    def train() -> torch.Tensor:
         trainer = Trainer.build(config, "adam")
-        run_steps(trainer, range(6), dist.get_world_size())
+        run_steps(trainer, range(3), world)  # step 0 counts readiness, later steps dispatch from hooks
         return trainer.full_params()
-    finally:
-        for name, function in originals.items():
-            setattr(dist, name, function)
-        collectives.dist_reduce_scatter_func = original_rs
+
+    plain = train()
+    with delayed_collectives(seed=0, extra_targets=COLLECTIVE_ALIASES) as probe:
+        probed = train()
+    assert probe.deferred > 0, "no asynchronous collective went through the race probe"
+    assert probe.completed == probe.deferred
+    assert torch.equal(plain, probed)
 
 
-@pytest.mark.parametrize(
-    "config",
-    [GATHER, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=600)],
-    ids=["distopt-gather", "overlap"],
-)
-def test_delays_before_collectives_change_no_result(config: DistributedDataParallelConfig) -> None:
-    plain = run_distributed(train_with_delays, 2, args=(config, False))[0]
-    slow = run_distributed(train_with_delays, 2, args=(config, True))[0]
-    assert torch.equal(plain, slow)
+RACE_CONFIGS = {
+    "ddp": DistributedDataParallelConfig(bucket_size=600),
+    "ddp-overlap": DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=600),
+    "distopt": DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=600),
+    "distopt-overlap": DISTOPT,
+    "distopt-gather": DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_param_gather=True, bucket_size=600
+    ),
+    "distopt-overlap-gather": GATHER,
+}
+
+
+@pytest.mark.parametrize("config", list(RACE_CONFIGS.values()), ids=list(RACE_CONFIGS))
+def test_collectives_completing_only_when_waited_change_no_result(
+    config: DistributedDataParallelConfig,
+) -> None:
+    run_distributed(train_plain_then_probed, 2, args=(config,))
 
 
 def steps_without_optimizer_zero_grad(call_zero_grad: bool) -> torch.Tensor:

@@ -1,4 +1,8 @@
-"""The DDP wrapper: delegation, broadcast, hooks, consistency check, unused params, plain optimizers."""
+"""The DDP wrapper: delegation, broadcast, hooks, consistency check, unused params, plain optimizers.
+
+Ranks feed different data (their own micro-batches, or inputs scaled by the rank), and expected grads are
+computed without the wrapper: a plain replica of the model run on every rank's input, or a closed form.
+A sync that never ran, or did not average, therefore fails."""
 
 from __future__ import annotations
 
@@ -8,13 +12,13 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_testkit import TinyGPT, Trainer, flat_params, local_microbatches
+from ddp_testkit import TinyGPT, flat_params, local_microbatches
 from torch import nn
 
 from gradsync.buffers import DistributedDataParallelConfig
 from gradsync.ddp import DistributedDataParallel
 from gradsync.groups import ModelParallelConfig, ProcessGroupCollection, initialize_model_parallel
-from gradsync.groups.testing import run_distributed
+from gradsync.groups.testing import run_distributed, test_device
 
 CONFIG = ModelParallelConfig()
 
@@ -49,6 +53,7 @@ class TwiceUsed(nn.Module):
         torch.manual_seed(0)
         self.shared = nn.Linear(4, 4)
         self.head = nn.Linear(4, 1)
+        self.to(test_device())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.shared(torch.tanh(self.shared(x)))).sum()  # type: ignore[no-any-return]
@@ -65,7 +70,7 @@ def param_used_twice() -> list[float]:
     for step in range(3):
         ddp.zero_grad_buffer()
         calls.clear()
-        x = torch.full((2, 4), float(rank + step))
+        x = torch.full((2, 4), float(rank + step), device=test_device())
         ddp(x).backward()
         group = ddp.param_to_bucket_group[model.shared.weight]
         if step > 0:
@@ -76,7 +81,7 @@ def param_used_twice() -> list[float]:
     assert group.golden_per_param_grad_ready_counts[model.shared.weight] == 1
     reference = TwiceUsed()
     for r in range(world):
-        reference(torch.full((2, 4), float(r + 2))).backward()
+        reference(torch.full((2, 4), float(r + 2), device=test_device())).backward()
     expected = reference.shared.weight.grad / world  # type: ignore[operator]
     assert torch.allclose(model.shared.weight.grad, expected, rtol=1e-6, atol=1e-7)  # type: ignore[arg-type]
     return model.shared.weight.grad.reshape(-1).tolist()  # type: ignore[union-attr]
@@ -89,7 +94,7 @@ def test_hook_counts_for_a_param_used_twice() -> None:
 
 def mismatched_models() -> None:
     rank = dist.get_rank()
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3 if rank == 1 else 2))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3 if rank == 1 else 2)).to(test_device())
     with pytest.raises(
         ValueError,
         match=r"the model differs between data-parallel ranks 0 and 1: param #2: 1\.weight \(shape \[2, 4\]",
@@ -129,6 +134,7 @@ class WithExperts(nn.Module):
         self.experts = nn.ModuleDict({str(expert_index): nn.Linear(4, expert_width)})
         for param in self.experts.parameters():
             param.allreduce = False  # type: ignore[attr-defined]
+        self.to(test_device())
 
 
 def experts_checked_over_their_own_group(odd_rank: int | None, odd: str) -> None:
@@ -164,16 +170,22 @@ class WithUnused(nn.Module):
         torch.manual_seed(0)
         self.used = nn.Linear(4, 4)
         self.unused = nn.Linear(4, 4)
+        self.to(test_device())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.used(x).sum()  # type: ignore[no-any-return]
+
+
+def ones() -> torch.Tensor:
+    """The unused-param tests' input (one rank: no averaging to check), on the harness device."""
+    return torch.ones(2, 4, device=test_device())
 
 
 def unused_params() -> None:
     config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=10)
     ddp = DistributedDataParallel(CONFIG, config, WithUnused())
     ddp.zero_grad_buffer()
-    ddp(torch.ones(2, 4)).backward()
+    ddp(ones()).backward()
     with pytest.raises(
         RuntimeError, match=r"got no grad in the first iteration: unused\.bias, unused\.weight"
     ):
@@ -183,14 +195,14 @@ def unused_params() -> None:
     )
     for _ in range(3):
         declared.zero_grad_buffer()
-        declared(torch.ones(2, 4)).backward()
+        declared(ones()).backward()
         declared.finish_grad_sync()
     assert declared.module.unused.weight.grad is None
     wrong = DistributedDataParallel(CONFIG, config, WithUnused(), unused_parameters=("used.bias",))
     with pytest.raises(
         RuntimeError, match=r"param used\.bias was declared in unused_parameters but received a gradient"
     ):
-        wrong(torch.ones(2, 4)).backward()
+        wrong(ones()).backward()
     with pytest.raises(
         ValueError, match=r"unused_parameters names params the module does not have: \['nope'\]"
     ):
@@ -206,10 +218,10 @@ def unused_after_first_iteration() -> None:
     model = WithUnused()
     ddp = DistributedDataParallel(CONFIG, config, model)
     ddp.zero_grad_buffer()
-    (ddp.module.used(torch.ones(2, 4)).sum() + ddp.module.unused(torch.ones(2, 4)).sum()).backward()
+    (ddp.module.used(ones()).sum() + ddp.module.unused(ones()).sum()).backward()
     ddp.finish_grad_sync()
     ddp.zero_grad_buffer()
-    ddp(torch.ones(2, 4)).backward()
+    ddp(ones()).backward()
     with pytest.raises(RuntimeError, match=r"Params that never got a grad: unused\.(bias|weight)"):
         ddp.finish_grad_sync()
 
@@ -218,47 +230,85 @@ def test_a_param_that_stops_getting_grads_is_named() -> None:
     run_distributed(unused_after_first_iteration, 1)
 
 
-def plain_optimizer_views() -> None:
-    model = TinyGPT()
-    ddp = DistributedDataParallel(CONFIG, DistributedDataParallelConfig(), model)
-    ddp.zero_grad_buffer()
-    ddp(local_microbatches(0, dist.get_rank(), 2, 1)[0]).backward()
-    ddp.finish_grad_sync()
-    for param in model.parameters():
-        assert param.grad is not None
-        assert param.grad.data_ptr() == param.main_grad.data_ptr()  # type: ignore[attr-defined]
+def mean_of_local_grads(replica: nn.Module, step: int, world: int) -> list[torch.Tensor]:
+    """What the sync must give every rank, computed without it: each rank's batch through a plain replica
+    (no wrapper, no hooks, no collective), the grads averaged in fp64."""
+    total = [torch.zeros_like(p, dtype=torch.float64) for p in replica.parameters()]
+    for rank in range(world):
+        replica.zero_grad(set_to_none=True)
+        replica(local_microbatches(step, rank, world, 1)[0]).backward()
+        for acc, param in zip(total, replica.parameters(), strict=True):
+            acc.add_(param.grad)  # type: ignore[arg-type]
+    replica.zero_grad(set_to_none=True)
+    return [acc / world for acc in total]
+
+
+def plain_optimizer_steps(average_in_collective: bool) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, replica = TinyGPT(), TinyGPT()
+    config = DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size=600, average_in_collective=average_in_collective
+    )
+    ddp = DistributedDataParallel(CONFIG, config, model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    opt.step()
-    opt.zero_grad()
+    for step in range(2):  # the second step dispatches from the hooks, and must not see the first's grads
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        assert not ddp.buffers[0].grad_data.any()
+        ddp(local_microbatches(step, rank, world, 1)[0]).backward()
+        dispatched = [g.grad_reduce_dispatched for g in ddp.bucket_groups]
+        assert dispatched == [step > 0] * len(dispatched)  # the first step only counts readiness
+        ddp.finish_grad_sync()
+        expected = mean_of_local_grads(replica, step, world)
+        for param, grad in zip(model.parameters(), expected, strict=True):
+            assert param.grad is not None
+            assert param.grad.data_ptr() == param.main_grad.data_ptr()  # type: ignore[attr-defined]
+            torch.testing.assert_close(param.grad, grad.float(), rtol=1e-5, atol=1e-6)
+        opt.step()
+        with torch.no_grad():  # the same SGD step, on the replica, from the expected grads
+            for param, grad in zip(replica.parameters(), expected, strict=True):
+                param.sub_(0.1 * grad.float())
+        torch.testing.assert_close(flat_params(model), flat_params(replica), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("average_in_collective", [False, True])
+def test_a_plain_optimizer_steps_on_the_averaged_grads(average_in_collective: bool) -> None:
+    """``param.grad`` is a view of the synced ``main_grad`` (scaled before the sum, or averaged after it),
+    so torch.optim steps on the mean of every rank's grad; zero_grad_buffer starts each step afresh."""
+    run_distributed(plain_optimizer_steps, 2, args=(average_in_collective,))
+
+
+def bf16_grads_for_a_plain_optimizer() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, replica = TinyGPT().to(torch.bfloat16), TinyGPT().to(torch.bfloat16)
+    ddp = DistributedDataParallel(CONFIG, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     ddp.zero_grad_buffer()
-    assert all(p.grad is None for p in model.parameters())
-    assert not ddp.buffers[0].grad_data.any()
-    bf16 = TinyGPT().to(torch.bfloat16)
-    mixed = DistributedDataParallel(CONFIG, DistributedDataParallelConfig(grad_reduce_in_fp32=True), bf16)
-    mixed.zero_grad_buffer()
-    mixed(local_microbatches(0, dist.get_rank(), 2, 1)[0]).backward()
-    mixed.finish_grad_sync()
-    for param in bf16.parameters():
+    ddp(local_microbatches(0, rank, world, 1)[0]).backward()
+    ddp.finish_grad_sync()
+    expected = mean_of_local_grads(replica, 0, world)
+    for param, grad in zip(model.parameters(), expected, strict=True):
         assert param.grad is not None
         assert param.grad.dtype == torch.bfloat16
-        assert torch.equal(param.grad, param.main_grad.to(torch.bfloat16))  # type: ignore[attr-defined]
+        assert param.main_grad.dtype == torch.float32  # type: ignore[attr-defined]
+        torch.testing.assert_close(param.grad, grad.to(torch.bfloat16))  # bf16 tolerances: one rounding
 
 
-def test_plain_optimizers_see_synced_grads_as_views() -> None:
-    run_distributed(plain_optimizer_views, 2)
+def test_bf16_params_get_the_fp32_reduced_grad_as_a_bf16_copy() -> None:
+    run_distributed(bf16_grads_for_a_plain_optimizer, 2)
 
 
 def explicit_groups_and_single_buckets() -> None:
     rank = dist.get_rank()
     groups = initialize_model_parallel(tensor_model_parallel_size=2)  # dp groups {0,2} and {1,3}
-    model = nn.Linear(3, 3, bias=False)
+    model = nn.Linear(3, 3, bias=False).to(test_device())
     config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=1)
     ddp = DistributedDataParallel(CONFIG, config, model, pg_collection=groups)
     assert len(ddp.bucket_groups) == 1  # a single param: a single bucket anyway
     ddp.buffers[0].grad_data.fill_(float(rank))
     ddp.finish_grad_sync()
     peers = dist.get_process_group_ranks(groups.dp)  # type: ignore[arg-type]
-    assert torch.equal(ddp.buffers[0].grad_data, torch.full((9,), sum(peers) / 2))
+    assert torch.equal(ddp.buffers[0].grad_data, torch.full((9,), sum(peers) / 2, device=test_device()))
     deep = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     assert len(DistributedDataParallel(CONFIG, config, deep, disable_bucketing=True).bucket_groups) == 1
     pp_later = ProcessGroupCollection(dp=groups.dp, pp=groups.tp)  # tp stands in for a 2-stage pipeline
@@ -275,13 +325,3 @@ def explicit_groups_and_single_buckets() -> None:
 
 def test_explicit_groups_pipeline_rank_and_disabled_bucketing() -> None:
     run_distributed(explicit_groups_and_single_buckets, 4)
-
-
-def trainer_survives_plain_use() -> None:
-    trainer = Trainer.build(DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=600), "sgd")
-    for step in range(2):
-        trainer.step(step, dist.get_rank(), 2, 1)
-
-
-def test_trainer_smoke() -> None:
-    run_distributed(trainer_survives_plain_use, 2)

@@ -1,5 +1,6 @@
 """Toy chunks meeting finalize's Protocols without any gradsync wrapper: a model that owns (maybe tied)
-embedding weights and a sequence-parallel layernorm, and a minimal DP wrapper that averages grads."""
+embedding weights and a sequence-parallel layernorm, and a minimal DP wrapper that averages grads. Models
+live on the harness device (:func:`test_device`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.groups import ModelParallelConfig
+from gradsync.groups.testing import test_device
 
 
 @dataclass
@@ -34,6 +36,7 @@ class ToyStage(nn.Module):
         self.norm.weight.sequence_parallel = True  # type: ignore[attr-defined]
         self.norm.bias.sequence_parallel = True  # type: ignore[attr-defined]
         self.dense = nn.Linear(4, 4)
+        self.to(test_device())
         for param in self.parameters():
             param.main_grad = torch.zeros_like(param)  # type: ignore[attr-defined]
 

@@ -16,7 +16,7 @@ from gradsync.groups import (
     destroy_process_groups,
     initialize_model_parallel,
 )
-from gradsync.groups.testing import run_distributed
+from gradsync.groups.testing import run_distributed, test_device
 
 
 def fill(chunk: ToyDataParallel, value: float) -> None:
@@ -25,7 +25,7 @@ def fill(chunk: ToyDataParallel, value: float) -> None:
 
 
 def mean_over(group: dist.ProcessGroup, value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=test_device())
     dist.all_reduce(t, group=group)
     return float(t.item()) / group.size()
 
@@ -108,30 +108,31 @@ def test_untied_embeddings_are_skipped_and_tp_averaging() -> None:
 def per_token_scaling() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = nn.Linear(3, 1)
+    model = nn.Linear(3, 1).to(test_device())
     for param in model.parameters():
         param.main_grad = torch.zeros_like(param)  # type: ignore[attr-defined]
     model.config = ModelParallelConfig(calculate_per_token_loss=True)  # type: ignore[assignment]
     chunk = ToyDataParallel(model, None, per_token_loss=True)
     generator = torch.Generator().manual_seed(5)
-    data = torch.randn(world * 6, 3, generator=generator)
+    data = torch.randn(world * 6, 3, generator=generator).to(test_device())
     counts = [2 + r for r in range(world)]  # ranks see different numbers of tokens
     start = sum(counts[:rank])
     mine = data[start : start + counts[rank]]
     model(mine).pow(2).sum().backward()  # a summed per-token loss
     for param in model.parameters():
         param.main_grad.copy_(param.grad)  # type: ignore[attr-defined]
-    num_tokens = torch.tensor(counts[rank])
+    num_tokens = torch.tensor(counts[rank], device=test_device())
     finalize_model_grads([chunk], num_tokens=num_tokens)
     assert int(num_tokens) == sum(counts)
-    reference = nn.Linear(3, 1)
+    reference = nn.Linear(3, 1).to(test_device())
     reference.load_state_dict(model.state_dict())
     reference(data[: sum(counts)]).pow(2).mean().backward()
     for param, ref in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(param.main_grad, ref.grad, rtol=1e-6, atol=1e-7)  # type: ignore[attr-defined]
     for param in model.parameters():
         param.main_grad.fill_(3.0)  # type: ignore[attr-defined]
-    finalize_model_grads([chunk], num_tokens=torch.tensor(0))  # no tokens anywhere: scale by 1, not inf
+    no_tokens = torch.tensor(0, device=test_device())
+    finalize_model_grads([chunk], num_tokens=no_tokens)  # no tokens anywhere: scale by 1, not inf
     assert all(torch.equal(p.main_grad, torch.full_like(p, 3.0 * world)) for p in model.parameters())  # type: ignore[attr-defined]
 
 
@@ -149,10 +150,10 @@ class Router(nn.Module):
 def expert_bias_update() -> None:
     rank = dist.get_rank()
     model = nn.Module()
-    model.router = Router(2)
+    model.router = Router(2).to(test_device())
     model.config = ModelParallelConfig(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.25)  # type: ignore[assignment]
     chunk = ToyDataParallel(model, None)
-    model.router.local_tokens_per_expert.copy_(torch.tensor([0.0, 2.0]) if rank == 0 else torch.zeros(2))
+    model.router.local_tokens_per_expert.copy_(torch.tensor([0.0, 2.0] if rank == 0 else [0.0, 0.0]))
     pgs = ProcessGroupCollection(tp_dp_cp=dist.group.WORLD, dp_cp=dist.group.WORLD)
     finalize_model_grads([chunk], pg_collection=pgs)
     assert model.router.expert_bias.tolist() == [0.25, -0.25]
@@ -173,11 +174,18 @@ def test_router_expert_bias_update() -> None:
     run_distributed(expert_bias_update, 2)
 
 
+def centred_index(group: dist.ProcessGroup) -> float:
+    """This rank's index in ``group`` minus the mean index: ``1 + centred_index`` differs on every rank of the
+    group and averages to exactly 1 over it."""
+    ranks = dist.get_process_group_ranks(group)
+    return ranks.index(dist.get_rank()) - (len(ranks) - 1) / 2
+
+
 def expert_grads_norm() -> None:
     groups = initialize_model_parallel(expert_model_parallel_size=2)
     config = ModelParallelConfig(expert_model_parallel_size=2)
     torch.manual_seed(0)
-    dense, expert = nn.Linear(4, 4), nn.Linear(4, 3)
+    dense, expert = nn.Linear(4, 4).to(test_device()), nn.Linear(4, 3).to(test_device())
     for param in [*dense.parameters(), *expert.parameters()]:
         param.main_grad = torch.zeros_like(param)  # type: ignore[attr-defined]
 
@@ -194,13 +202,21 @@ def expert_grads_norm() -> None:
     holder = nn.Module()
     holder.dense, holder.expert, holder.config = dense, expert, config  # type: ignore[assignment]
     chunk = ExpertChunk(holder, groups.dp_cp)
+    # Different on every rank, unit grads once each group's reduction has run (expert ones: ep x etp = 2).
+    dense_grad = 1.0 + centred_index(groups.dp_cp)  # type: ignore[arg-type]
+    expert_grad = 2.0 * (1.0 + centred_index(groups.expt_dp))  # type: ignore[arg-type]
     for param in dense.parameters():
-        param.main_grad.fill_(1.0)  # type: ignore[attr-defined]
+        param.main_grad.fill_(dense_grad)  # type: ignore[attr-defined]
     for param in expert.parameters():
-        param.main_grad.fill_(2.0)  # type: ignore[attr-defined]  # ep x etp = 2
+        param.main_grad.fill_(expert_grad)  # type: ignore[attr-defined]
     finalize_model_grads([chunk], pg_collection=groups)
+    for param in [*dense.parameters(), *expert.parameters()]:
+        assert torch.equal(param.main_grad, torch.ones_like(param))  # type: ignore[attr-defined]
     dense_sq = sum(float(p.main_grad.pow(2).sum()) for p in dense.parameters())  # type: ignore[attr-defined]
-    expert_sq = torch.tensor([sum(float(p.main_grad.pow(2).sum()) for p in expert.parameters())])  # type: ignore[attr-defined]
+    expert_sq = torch.tensor(
+        [sum(float(p.main_grad.pow(2).sum()) for p in expert.parameters())],  # type: ignore[attr-defined]
+        device=test_device(),
+    )
     dist.all_reduce(expert_sq, group=groups.ep)
     numel = sum(p.numel() for p in dense.parameters()) + 2 * sum(p.numel() for p in expert.parameters())
     assert (dense_sq + float(expert_sq)) ** 0.5 == pytest.approx(numel**0.5, rel=1e-12)
@@ -229,9 +245,11 @@ def missing_groups() -> None:
     with pytest.raises(ValueError, match=r"pg_collection\.dp_cp is required because num_tokens is summed"):
         finalize_model_grads(
             [chunk],
-            num_tokens=torch.tensor(3),
+            num_tokens=torch.tensor(3, device=test_device()),
             pg_collection=ProcessGroupCollection(tp=world, pp=world, embd=None, pos_embd=None),
         )
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2, .* but neither the pg_collection"):
+        finalize_model_grads([chunk])  # a model-parallel config and no groups anywhere
     assert chunk.finished == 0  # every check came before any communication
 
 

@@ -1,4 +1,4 @@
-"""The builder on 1, 2, 4 and 8 real gloo ranks: membership equals the pure layout, and an all_reduce over
+"""The builder on 1, 2, 4 and 8 real ranks: membership equals the pure layout, and an all_reduce over
 each group gives the sum over exactly its ranks."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from gradsync.groups import (
     destroy_process_groups,
     initialize_model_parallel,
 )
-from gradsync.groups.testing import run_distributed
+from gradsync.groups.testing import run_distributed, test_device
 
 CASES: list[tuple[int, dict[str, Any]]] = [
     (1, {}),
@@ -45,7 +45,7 @@ CASES: list[tuple[int, dict[str, Any]]] = [
 
 
 def sum_over(group: dist.ProcessGroup) -> float:
-    t = torch.tensor([float(dist.get_rank() + 1)])
+    t = torch.tensor([float(dist.get_rank() + 1)], device=test_device())
     dist.all_reduce(t, group=group)
     return t.item()
 

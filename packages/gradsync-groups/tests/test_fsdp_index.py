@@ -1,4 +1,4 @@
-"""FSDPDistributedIndex on real gloo ranks: shard, outer and hybrid groups resolve to the mesh's ranks."""
+"""FSDPDistributedIndex on real ranks: shard, outer and hybrid groups resolve to the mesh's ranks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from gradsync.groups import FSDPDistributedIndex
-from gradsync.groups.testing import run_distributed
+from gradsync.groups.testing import run_distributed, test_device
 
 
 def ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -46,8 +46,9 @@ def plain_fsdp_over_four() -> None:
 
 
 def explicit_meshes_with_experts() -> None:
-    mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp_shard", "tp"))
-    expert_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    device_type = test_device().type
+    mesh = init_device_mesh(device_type, (4, 1), mesh_dim_names=("dp_shard", "tp"))
+    expert_mesh = init_device_mesh(device_type, (2, 2), mesh_dim_names=("dp_shard", "tp"))
     index = FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard", tp_dim="tp", expt_device_mesh=expert_mesh)
     rank = dist.get_rank()
     assert ranks(index.get_fsdp_group(is_expert_parallel=True)) == [rank % 2, rank % 2 + 2]

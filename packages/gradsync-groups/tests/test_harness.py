@@ -9,7 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradsync.groups.testing import RankFailure, RankTimeout, distributed_test, run_distributed
+from gradsync.groups.testing import (
+    RankFailure,
+    RankTimeout,
+    distributed_test,
+    run_distributed,
+    test_device,
+)
 
 
 def rank_and_world(offset: int) -> tuple[int, int]:
@@ -114,6 +120,62 @@ def test_tcp_rendezvous() -> None:
 
 @distributed_test(world_sizes=[2, 4])
 def test_decorated_body_runs_on_every_rank() -> None:
-    t = torch.ones(1)
+    t = torch.ones(1, device=test_device())
     dist.all_reduce(t)
     assert t.item() == dist.get_world_size()
+
+
+# --- the test device ------------------------------------------------------------------------------------
+
+
+def device_seen_by_the_rank() -> tuple[str, str]:
+    return str(test_device()), os.environ["GRADSYNC_TEST_DEVICE"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_each_rank_builds_on_the_requested_device(world_size: int) -> None:
+    requested = test_device()  # outside a rank: what GRADSYNC_TEST_DEVICE asks for
+    if requested.type == "cpu":
+        expected = [("cpu", "cpu")] * world_size
+    else:
+        count = torch.cuda.device_count()
+        expected = [(f"cuda:{r % count}", "cuda") for r in range(world_size)]
+    assert run_distributed(device_seen_by_the_rank, world_size) == expected
+
+
+def test_the_device_keyword_overrides_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADSYNC_TEST_DEVICE", "cuda")
+    assert test_device() == torch.device("cuda")
+    assert run_distributed(device_seen_by_the_rank, 2, device="cpu") == [("cpu", "cpu")] * 2
+
+
+def test_an_unknown_test_device_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADSYNC_TEST_DEVICE", "tpu")
+    with pytest.raises(
+        ValueError, match="GRADSYNC_TEST_DEVICE='tpu' is not a test device: use one of cpu, cuda"
+    ):
+        run_distributed(pid, 2)
+    with pytest.raises(ValueError, match="device='gpu' is not a test device"):
+        run_distributed(pid, 2, device="gpu")
+
+
+def test_nccl_on_cpu_tensors_is_refused_before_spawning() -> None:
+    with pytest.raises(ValueError, match="backend='nccl' takes CUDA tensors"):
+        run_distributed(pid, 2, backend="nccl", device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_fails_before_spawning() -> None:
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"asked to run on CUDA .* torch\.cuda\.is_available\(\) is False"):
+        run_distributed(pid, 2, device="cuda")
+    assert time.monotonic() - start < 1.0  # no rank was started
+
+
+def test_the_backend_follows_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradsync.groups.testing.devices import backend_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [backend_for("cpu", n) for n in (1, 8)] == ["gloo", "gloo"]
+    assert [backend_for("cuda", n) for n in (1, 4, 8)] == ["nccl", "nccl", "gloo"]

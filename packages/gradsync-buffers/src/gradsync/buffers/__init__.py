@@ -11,6 +11,7 @@ from .bucket_group import ParamAndGradBucketGroup, partition_buckets
 from .buffer import ParamAndGradBucket, ParamAndGradBuffer
 from .collectives import reduce_scatter_with_fp32_accumulation, shard_buffer
 from .config import DistributedDataParallelConfig, default_bucket_size, effective_bucket_size
+from .field_support import FSDP_ONLY_FIELDS, non_default_fields, refuse_fields_ddp_cannot_honour
 from .grad_checks import LargeGradDetector
 from .layout import (
     BufferKey,
@@ -27,6 +28,7 @@ from .layout import (
     pad_param_start,
     pad_to_divisor,
 )
+from .param_consistency import check_params_match_across_ranks
 from .scaling import gradient_scaling_factors
 from .stats import CollectiveRecord, CommStats
 from .version import __version__
@@ -37,6 +39,7 @@ _ParamAndGradBucket = ParamAndGradBucket
 _ParamAndGradBucketGroup = ParamAndGradBucketGroup
 
 __all__ = [
+    "FSDP_ONLY_FIELDS",
     "BufferKey",
     "CollectiveRecord",
     "CommStats",
@@ -53,6 +56,7 @@ __all__ = [
     "__version__",
     "bucket_end_divisor",
     "build_grad_buffers",
+    "check_params_match_across_ranks",
     "compute_full_param_layout",
     "compute_param_layout",
     "default_bucket_size",
@@ -60,10 +64,12 @@ __all__ = [
     "gradient_scaling_factors",
     "group_params_for_buffers",
     "is_expert_parallel",
+    "non_default_fields",
     "pad_bucket_end",
     "pad_param_start",
     "pad_to_divisor",
     "partition_buckets",
     "reduce_scatter_with_fp32_accumulation",
+    "refuse_fields_ddp_cannot_honour",
     "shard_buffer",
 ]

@@ -57,6 +57,8 @@ class GradBuffers:
                     "param must receive a grad in every iteration: freeze params that are never used "
                     "(requires_grad=False) or declare them unused to the wrapper."
                 )
+        for group in self.all_bucket_groups:
+            group.drain_in_flight()
         for buffer in self.all_buffers:
             buffer.reset()
         for group in self.all_bucket_groups:

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import Parameter
 
+from gradsync.groups import get_backend_capabilities
+
 from . import collectives
 from .buffer import ParamAndGradBucket, ParamAndGradBuffer
 from .config import DistributedDataParallelConfig
@@ -155,28 +157,62 @@ class ParamAndGradBucketGroup:
                 launched.extend(collectives.reduce_scatter(bucket.grad_data, group, average=average))
             else:
                 launched.extend(collectives.all_reduce(bucket.grad_data, group, average=average))
+        launched.after.append(lambda: CommStats.end(records))
         inter = self.inter_distributed_optimizer_instance_group
         if self.ddp_config.use_distributed_optimizer and inter is not None:
-            # The shard must be reduced within the instance before it is reduced across instances.
-            launched.wait()
-            for bucket in self.buckets:
-                shard = collectives.shard_buffer(bucket.grad_data, self.collective_group_size)[
-                    self.collective_group_rank
-                ]
-                records.append(self._record("all_reduce", shard, inter))
-                launched.extend(collectives.all_reduce(shard, inter, average=average))
-        launched.after.append(lambda: CommStats.end(records))
+            launched = self._then_across_instances(launched, inter, reduce_scatter)
         self.grad_reduce_dispatched = True
-        if self.ddp_config.overlap_grad_reduce and inter is None:
+        if self.ddp_config.overlap_grad_reduce:
             self.grad_reduce_handle = launched
         else:
             launched.wait()
+
+    def _then_across_instances(
+        self, within: collectives.Launched, inter: dist.ProcessGroup, reduce_scatter: bool
+    ) -> collectives.Launched:
+        """Chain the all-reduce across optimizer instances after the reduction within this instance.
+
+        It reduces this rank's shard after a reduce-scatter, the whole bucket after an all-reduce (as
+        ``force_all_reduce`` asks). The second collective needs the first one's result: where ``wait()``
+        only orders the device stream (NCCL) both are issued now; where it would block the host (gloo),
+        the second is issued when the handle is waited, so a backward hook never blocks.
+        """
+        average = self.ddp_config.average_in_collective
+
+        def across() -> collectives.Launched:
+            launched, records = collectives.Launched(), []
+            for bucket in self.buckets:
+                target = bucket.grad_data
+                if reduce_scatter:
+                    target = collectives.shard_buffer(target, self.collective_group_size)[
+                        self.collective_group_rank
+                    ]
+                records.append(self._record("all_reduce", target, inter))
+                launched.extend(collectives.all_reduce(target, inter, average=average))
+            launched.after.append(lambda: CommStats.end(records))
+            return launched
+
+        device = self.buckets[0].grad_data.device
+        if get_backend_capabilities(inter, device).stream_ordered_wait:
+            within.wait()
+            return across()
+        return within.then(across)
 
     def _record(
         self, op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     ) -> CollectiveRecord:
         group = group or self.collective_group
-        return self.stats.begin(op, tensor.numel() * tensor.element_size(), group.size())
+        return self.stats.begin(op, tensor.numel() * tensor.element_size(), group.size(), tensor.device)
+
+    def drain_in_flight(self) -> None:
+        """Wait for this group's reduction and gather if they are still in flight (and keep no handle),
+        so the buffers can be reused safely, for instance after an exception in the middle of a step."""
+        if self.grad_reduce_handle is not None:
+            self.grad_reduce_handle.wait()
+            self.grad_reduce_handle = None
+        if self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Wait for (or, without overlap, run) the reduction of this group."""

@@ -168,13 +168,18 @@ def _refuse_cuda_only_features(
     config: DistributedDataParallelConfig, device: torch.device, group: dist.ProcessGroup
 ) -> None:
     """CUDA-only features fail loudly off CUDA/NCCL instead of being ignored."""
-    caps = get_backend_capabilities(group)
+    caps = get_backend_capabilities(group, device)
     if (config.nccl_ub or config.fsdp_manual_registration) and not (
         caps.userbuffers and device.type == "cuda"
     ):
         raise RuntimeError(
             f"nccl_ub=True (NCCL user buffers) needs CUDA tensors on an NCCL group; this buffer is on "
             f"{device} over the {caps.name} backend. Set nccl_ub=False."
+        )
+    if config.nccl_ub:
+        raise NotImplementedError(
+            "nccl_ub=True: allocating DDP grad/param buffers from an NCCL memory pool is not implemented "
+            "in gradsync-buffers. Set nccl_ub=False."
         )
     for name in ("fp8_param_gather", "fp4_param_gather", "reuse_grad_buf_for_mxfp8_param_ag"):
         if getattr(config, name):

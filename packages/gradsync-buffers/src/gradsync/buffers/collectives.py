@@ -39,10 +39,21 @@ class Launched:
 
     works: list[Any] = field(default_factory=list)
     after: list[Callable[[], None]] = field(default_factory=list)
+    following: Callable[[], Launched] | None = None
+    """Launches the collectives that need these ones' results; called, and waited, by :meth:`wait`."""
 
     def extend(self, other: Launched) -> None:
+        if self.following is not None or other.following is not None:
+            raise RuntimeError("cannot merge launched collectives that have follow-up collectives")
         self.works += other.works
         self.after += other.after
+
+    def then(self, launch: Callable[[], Launched]) -> Launched:
+        """Run ``launch`` once these collectives have completed, when this handle is waited."""
+        if self.following is not None:
+            raise RuntimeError("these collectives already have a follow-up")
+        self.following = launch
+        return self
 
     def wait(self) -> None:
         # gloo completes works on a thread pool, so every work is waited, not just the last.
@@ -51,7 +62,9 @@ class Launched:
                 work.wait()
         for step in self.after:
             step()
-        self.works, self.after = [], []
+        following, self.works, self.after, self.following = self.following, [], [], None
+        if following is not None:
+            following().wait()
 
 
 def shard_buffer(buffer: torch.Tensor, num_shards: int) -> list[torch.Tensor]:
@@ -62,11 +75,13 @@ def shard_buffer(buffer: torch.Tensor, num_shards: int) -> list[torch.Tensor]:
     return [buffer[r * size : (r + 1) * size] for r in range(num_shards)]
 
 
-def _reduce_op(group: dist.ProcessGroup, average: bool) -> tuple[dist.ReduceOp.RedOpType, bool]:
+def _reduce_op(
+    group: dist.ProcessGroup, device: torch.device, average: bool
+) -> tuple[dist.ReduceOp.RedOpType, bool]:
     """The op to pass, and whether the result must still be divided by the group size."""
     if not average:
         return dist.ReduceOp.SUM, False
-    if get_backend_capabilities(group).avg_trusted:
+    if get_backend_capabilities(group, device).avg_trusted:
         return dist.ReduceOp.AVG, False
     return dist.ReduceOp.SUM, True
 
@@ -80,7 +95,7 @@ def _divide_after(tensor: torch.Tensor, divisor: int) -> Callable[[], None]:
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, average: bool = False) -> Launched:
     """Sum (or average) ``tensor`` in place across ``group``."""
-    op, divide = _reduce_op(group, average)
+    op, divide = _reduce_op(group, tensor.device, average)
     launched = Launched([dist.all_reduce(tensor, op=op, group=group, async_op=True)])
     if divide:
         launched.after.append(_divide_after(tensor, group.size()))
@@ -100,9 +115,9 @@ def reduce_scatter(
     """
     size, rank = group.size(), group.rank()
     shard = shard_buffer(bucket, size)[rank]
-    op, divide = _reduce_op(group, average)
+    op, divide = _reduce_op(group, bucket.device, average)
     if via_all_reduce is None:
-        caps = get_backend_capabilities(group)
+        caps = get_backend_capabilities(group, bucket.device)
         via_all_reduce = caps.reduce_scatter_via_all_reduce or not caps.reduce_scatter_tensor
     if via_all_reduce:
         copy = bucket.clone()
@@ -129,7 +144,7 @@ def all_gather_shards(
     size, rank = group.size(), group.rank()
     shards = shard_buffer(bucket, size)
     if via_broadcasts is None:
-        caps = get_backend_capabilities(group)
+        caps = get_backend_capabilities(group, bucket.device)
         via_broadcasts = caps.all_gather_via_broadcasts or not caps.all_gather_into_tensor
     if via_broadcasts:
         ranks = dist.get_process_group_ranks(group)

@@ -1,24 +1,48 @@
-"""What a bucket group sent in the current step: cheap records upper layers can expose as telemetry."""
+"""What a bucket group sent in the current step: cheap records upper layers can expose as telemetry.
+
+On CUDA a collective completes on a device stream long after the host call returns, and ``wait()`` only
+orders the streams, so host timestamps would measure nothing: there, each record times itself with CUDA
+events recorded on the current stream at launch and after the wait. On the CPU the host clock is right.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class CollectiveRecord:
-    """One collective: its op, payload bytes (this rank's input), group size, and wall-clock span."""
+    """One collective: its op, payload bytes (this rank's input), group size, and launch-to-completion span.
+
+    ``start``/``end`` are host ``perf_counter`` readings; on CUDA, ``start_event``/``end_event`` time the
+    collective on the device and :attr:`seconds` reads them.
+    """
 
     op: str
     bytes: int
     group_size: int
     start: float
     end: float | None = None
+    start_event: torch.cuda.Event | None = None
+    end_event: torch.cuda.Event | None = None
 
     @property
     def seconds(self) -> float | None:
-        return None if self.end is None else self.end - self.start
+        if self.end is None:
+            return None
+        if self.start_event is not None and self.end_event is not None:
+            self.end_event.synchronize()
+            return float(self.start_event.elapsed_time(self.end_event)) / 1000.0
+        return self.end - self.start
+
+
+def _recorded_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    event.record()
+    return event
 
 
 @dataclass
@@ -27,8 +51,13 @@ class CommStats:
 
     records: list[CollectiveRecord] = field(default_factory=list)
 
-    def begin(self, op: str, nbytes: int, group_size: int) -> CollectiveRecord:
-        record = CollectiveRecord(op, nbytes, group_size, time.perf_counter())
+    def begin(
+        self, op: str, nbytes: int, group_size: int, device: torch.device | None = None
+    ) -> CollectiveRecord:
+        on_cuda = device is not None and device.type == "cuda"
+        record = CollectiveRecord(
+            op, nbytes, group_size, time.perf_counter(), start_event=_recorded_event() if on_cuda else None
+        )
         self.records.append(record)
         return record
 
@@ -38,6 +67,8 @@ class CommStats:
         for record in records:
             if record.end is None:
                 record.end = now
+                if record.start_event is not None:
+                    record.end_event = _recorded_event()
 
     @property
     def total_bytes(self) -> int:

@@ -18,20 +18,39 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.buffers import DistributedDataParallelConfig, build_grad_buffers, is_expert_parallel
+from gradsync.buffers import (
+    DistributedDataParallelConfig,
+    build_grad_buffers,
+    check_params_match_across_ranks,
+    is_expert_parallel,
+    refuse_fields_ddp_cannot_honour,
+)
 from gradsync.buffers.bucket_group import ParamAndGradBucketGroup
 from gradsync.groups import ModelParallelConfigProtocol, ProcessGroupCollection
+from gradsync.groups.model_config import model_parallel_sizes
 
 from .base import _BaseDataParallel
-from .param_consistency import check_params_match_across_ranks
 
 
 def resolve_process_groups(
     pg_collection: ProcessGroupCollection | None, config: ModelParallelConfigProtocol
 ) -> ProcessGroupCollection:
     """The groups DDP uses: pure DP over the default world when none are given; otherwise the given
-    collection (never modified), with dp_cp defaulting to dp when there is no context parallelism."""
+    collection (never modified), with dp_cp defaulting to dp when there is no context parallelism.
+
+    Without groups every rank is a DP replica, so a config that says model-parallel is refused: averaging
+    TP shards or pipeline stages as if they were replicas would give silently wrong grads.
+    """
     if pg_collection is None:
+        parallel = model_parallel_sizes(config)
+        if parallel:
+            sizes = ", ".join(f"{k}={v}" for k, v in parallel.items())
+            raise ValueError(
+                f"DistributedDataParallel: the config says {sizes} but no pg_collection was given, so every "
+                "rank would be treated as a data-parallel replica. Pass "
+                "pg_collection=gradsync.groups.initialize_model_parallel(...) (or a ProcessGroupCollection "
+                "with dp, dp_cp, tp, pp, ...), or set those sizes to 1."
+            )
         world = dist.group.WORLD
         return ProcessGroupCollection(
             dp=world,
@@ -72,6 +91,7 @@ class DistributedDataParallel(_BaseDataParallel):
         unused_parameters: Collection[str] = (),
     ) -> None:
         super().__init__(config, module)
+        refuse_fields_ddp_cannot_honour(ddp_config, type(self).__name__)
         self.ddp_config = ddp_config
         self.pg_collection = resolve_process_groups(pg_collection, config)
         named = list(module.named_parameters())
@@ -106,7 +126,18 @@ class DistributedDataParallel(_BaseDataParallel):
         self.param_to_bucket_group: dict[nn.Parameter, ParamAndGradBucketGroup] = {
             p: group for group in self.grad_buffers.all_bucket_groups for p in group.params
         }
+        # Params whose optimizer-facing grad cannot be a view of main_grad (bf16 params with fp32 main
+        # grads): their ``.grad`` is a copy in the param dtype, refreshed whenever main_grad changes here.
+        self.params_with_grad_copies = [
+            p
+            for p in self.params_with_grad
+            if p.main_grad.dtype != p.dtype  # type: ignore[attr-defined]
+        ]
         self.force_all_reduce = False
+        self.model_params_version = 0
+        """Bumped whenever weights are loaded into the module, so optimizers holding main-param copies can
+        tell theirs are stale (see DistributedOptimizer.reload_model_params)."""
+        self._watch_weight_loads()
         post_hook = self._make_backward_post_hook()
         hooks = [(p, post_hook) for p in self.params_with_grad]
         hooks += [(p, _refuse_grad(n)) for n, p in named if n in unused_parameters]
@@ -148,6 +179,18 @@ class DistributedDataParallel(_BaseDataParallel):
                 ddp.param_to_bucket_group[owned].register_grad_ready(owned, ddp.force_all_reduce)
 
         return hook
+
+    def _watch_weight_loads(self) -> None:
+        """Count ``load_state_dict`` calls on the module or any submodule (held weakly, like the hooks)."""
+        wrapper = weakref.ref(self)
+
+        def loaded(_module: nn.Module, _keys: Any) -> None:
+            ddp = wrapper()
+            if ddp is not None:
+                ddp.model_params_version += 1
+
+        for module in self.module.modules():
+            module.register_load_state_dict_post_hook(loaded)  # type: ignore[no-untyped-call]
 
     def _make_forward_pre_hook(self) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, _: Any) -> None:
@@ -201,7 +244,9 @@ class DistributedDataParallel(_BaseDataParallel):
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Complete every reduction. Without the distributed optimizer, ``param.grad`` then holds the synced
-        grad (a view of ``main_grad`` when dtypes match), so any torch.optim optimizer can step."""
+        grad, so any torch.optim optimizer can step: a view of ``main_grad`` when dtypes match, else a copy
+        in the param dtype that :meth:`scale_gradients` (and finalize_model_grads' reductions) keep equal
+        to ``main_grad``."""
         self.grad_buffers.finish_grad_sync(force_all_reduce)
         if self.ddp_config.use_distributed_optimizer and not force_all_reduce:
             return  # only this rank's shard is reduced; the DistributedOptimizer reads main_grad
@@ -210,10 +255,18 @@ class DistributedDataParallel(_BaseDataParallel):
             param.grad = main_grad if main_grad.dtype == param.dtype else main_grad.to(param.dtype)
 
     def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
+        """Multiply every grad by ``scaling_factor`` (a tensor stays on its device: no host sync)."""
         self.grad_buffers.scale_gradients(scaling_factor)
+        for param in self.params_with_grad_copies:
+            if param.grad is not None:
+                param.grad.copy_(param.main_grad)  # type: ignore[attr-defined]
 
     def zero_grad_buffer(self) -> None:
-        """Zero all grads and start a new iteration; call it at the start of every iteration."""
+        """Zero all grads and start a new iteration; call it at the start of every iteration.
+
+        A reduction or gather still in flight (say, after an exception mid-step) is waited for first, so
+        the zeroing can never race with a collective writing into the buffers.
+        """
         for param in self.params_with_grad:
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
             param.grad = None

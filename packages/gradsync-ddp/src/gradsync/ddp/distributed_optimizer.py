@@ -1,10 +1,11 @@
-"""`DistributedOptimizer`: any torch.optim optimizer, stepping only this rank's shard of every bucket.
+"""`DistributedOptimizer`: any torch.optim optimizer over fp32 main params, sharded across DP or not.
 
 With ``use_distributed_optimizer`` the grads are reduce-scattered, so each DP rank holds the reduced grad
 only for its shard of each bucket. This optimizer keeps fp32 main params for exactly those pieces (so
 optimizer state per rank is about 1/DP of the model's), steps them with the wrapped optimizer's class and
 hyper-parameters, writes the results into the param buffer, and all-gathers the params (now, or
-overlapped with the next forward through the DDP pre-hooks).
+overlapped with the next forward through the DDP pre-hooks). Without it, the same machinery holds every
+param whole: the fp32-main-params recipe for bf16 models that use all-reduce.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from gradsync.buffers import ParamAndGradBuffer
 
 from .distributed_data_parallel import DistributedDataParallel
 from .optimizer_state import gather_state, load_state, merge_shards, shard_state
@@ -51,12 +55,18 @@ def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -
     return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
 
-class DistributedOptimizer:
-    """Shard-local optimizer over models wrapped with ``use_distributed_optimizer=True``.
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Mixed-precision optimizer over DDP-wrapped models: fp32 main params, sharded or not.
+
+    With ``use_distributed_optimizer=True`` it holds (and steps) only this rank's shard of every bucket,
+    as Megatron's DistributedOptimizer; with sharding off it holds every param whole, which is Megatron's
+    ``Float16OptimizerWithFloat16Params`` recipe for bf16 models: fp32 main params and fp32 steps, the
+    result cast into the model's weights.
 
     Pass a freshly built optimizer over the model's params: its class, defaults and per-group
-    hyper-parameters are reused for an optimizer over this rank's fp32 shard pieces, and it is never
-    stepped itself.
+    hyper-parameters are reused for an optimizer over the fp32 main params, and it is never stepped itself.
+    This object is a ``torch.optim.Optimizer`` whose ``param_groups`` and ``state`` are that inner
+    optimizer's own, so LR schedulers and ``param_groups`` edits act on what is stepped.
     """
 
     def __init__(
@@ -65,12 +75,13 @@ class DistributedOptimizer:
         model: DistributedDataParallel | Sequence[DistributedDataParallel],
     ) -> None:
         self.model_chunks = [model] if isinstance(model, DistributedDataParallel) else list(model)
-        for chunk in self.model_chunks:
-            if not chunk.ddp_config.use_distributed_optimizer:
-                raise ValueError(
-                    "DistributedOptimizer needs models wrapped with use_distributed_optimizer=True; use a "
-                    "plain torch.optim optimizer otherwise"
-                )
+        sharding = {chunk.ddp_config.use_distributed_optimizer for chunk in self.model_chunks}
+        if len(sharding) != 1:
+            raise ValueError(
+                "DistributedOptimizer: every model chunk must have the same use_distributed_optimizer"
+            )
+        self.sharded = sharding.pop()
+        """True: this rank's shard of every bucket (reduce-scattered grads); False: every param whole."""
         group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.buffers = [b for chunk in self.model_chunks for b in chunk.grad_buffers.all_buffers]
         self.param_names: dict[nn.Parameter, str] = {}
@@ -84,45 +95,117 @@ class DistributedOptimizer:
         self.pieces: list[ShardPiece] = []
         pieces_by_group: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
         for key, buffer in enumerate(self.buffers):
-            group = buffer.data_parallel_group
-            for bucket in range(len(buffer.buckets)):
-                for owned in buffer.layout.shard_param_ranges(bucket, group.rank(), group.size()):
-                    param = buffer.params[owned.param_index]
-                    start, end = owned.param_range
-                    main = nn.Parameter(param.detach().view(-1)[start:end].clone().float())
-                    self.pieces.append(
-                        ShardPiece(self.param_names[param], param, main, (start, end), key, group)
+            for index, (start, end) in self._owned_ranges(buffer):
+                param = buffer.params[index]
+                main = nn.Parameter(param.detach().view(-1)[start:end].clone().float())
+                self.pieces.append(
+                    ShardPiece(
+                        self.param_names[param], param, main, (start, end), key, buffer.data_parallel_group
                     )
-                    pieces_by_group[group_of[param]].append(main)
+                )
+                pieces_by_group[group_of[param]].append(main)
         # Groups stay index-aligned with the given optimizer's, even where this rank owns nothing of one.
         new_groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": mains}
             for g, mains in zip(optimizer.param_groups, pieces_by_group, strict=True)
         ]
         self.optimizer = _same_kind(optimizer, new_groups)
+        # torch.optim.Optimizer's own set-up (step hooks, profiling), then share the inner optimizer's
+        # groups and state, so that what schedulers and users edit is what gets stepped.
+        super().__init__([{"params": []}], dict(optimizer.defaults))
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
         pg = self.model_chunks[0].pg_collection
         self.norm_group = pg.intra_dist_opt or dist.group.WORLD
-        self._grads_loaded = False  # shard grads read from main_grad for the current step
         self.tp_group = pg.tp
+        self.pp_group = pg.pp
+        self._grads_loaded = False  # main grads read from main_grad for the current step
+        self._device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
+        self._model_versions = self._current_model_versions()
+        self._built = True
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The shard optimizer's param groups (for learning-rate schedulers)."""
-        return self.optimizer.param_groups
+    def _owned_ranges(self, buffer: ParamAndGradBuffer) -> list[tuple[int, tuple[int, int]]]:
+        """(param index, element range) of what this rank steps: its shard of each bucket, or all."""
+        if not self.sharded:
+            return [(i, (0, p.numel())) for i, p in enumerate(buffer.params)]
+        group = buffer.data_parallel_group
+        return [
+            (owned.param_index, owned.param_range)
+            for bucket in range(len(buffer.buckets))
+            for owned in buffer.layout.shard_param_ranges(bucket, group.rank(), group.size())
+        ]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_built", False):
+            raise NotImplementedError(
+                "DistributedOptimizer builds its param groups from the wrapped optimizer's: add the group "
+                "to that optimizer before wrapping it"
+            )
+        super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the shard grads. The grad buffers are the model's: ``zero_grad_buffer()`` on each chunk
+        """Drop the main grads. The grad buffers are the model's: ``zero_grad_buffer()`` on each chunk
         empties them, called alongside this at the start of every iteration, as in the reference."""
         for piece in self.pieces:
             piece.main.grad = None
         self._grads_loaded = False
 
+    # --- model weights ---------------------------------------------------------------------------
+
+    def _current_model_versions(self) -> list[int]:
+        return [chunk.model_params_version for chunk in self.model_chunks]
+
+    def reload_model_params(self) -> None:
+        """Copy the model's current weights into the fp32 main params (after ``model.load_state_dict``
+        or any other change of the weights made after this optimizer was built)."""
+        with torch.no_grad():
+            for piece in self.pieces:
+                piece.main.copy_(piece.model_slice())
+        self._model_versions = self._current_model_versions()
+
+    def _refuse_stale_main_params(self) -> None:
+        if self._current_model_versions() != self._model_versions:
+            raise RuntimeError(
+                "DistributedOptimizer: weights were loaded into the model (load_state_dict) after this "
+                "optimizer copied them into its fp32 main params; stepping would write the old weights "
+                "back. Call optimizer.reload_model_params() to adopt the loaded weights, or load the "
+                "optimizer's own checkpoint (load_state_dict) after the model's."
+            )
+
+    def _write_shards_into_params(self) -> None:
+        with torch.no_grad():
+            for piece in self.pieces:
+                piece.model_slice().copy_(piece.main)
+
+    def _gather_params(self) -> None:
+        """Refill every rank's full params from the owners' shards (sharded mode only)."""
+        if not self.sharded:
+            return  # every rank stepped every param with the same all-reduced grads
+        for chunk in self.model_chunks:
+            if not chunk.ddp_config.overlap_param_gather or chunk.ddp_config.align_param_gather:
+                chunk.start_param_sync()  # sync, or dispatched now for all groups with align_param_gather
+            # otherwise the forward pre-hooks gather group by group, overlapped with the next forward
+
+    # --- gradients -------------------------------------------------------------------------------
+
     def _counted_in_norm(self, piece: ShardPiece) -> bool:
-        """Params replicated across TP ranks are counted once (on TP rank 0)."""
+        """Count every grad element once across the norm group, as Megatron does.
+
+        Unsharded, every DP replica holds every grad: only DP rank 0 of the param's group counts it.
+        Params replicated across TP ranks count on TP rank 0; a param marked ``shared`` (Megatron's
+        marker for the last stage's copy of the tied embedding) does not count, and neither does a
+        ``shared_embedding`` param outside pipeline stage 0, so the tied embedding counts once.
+        """
+        if not self.sharded and piece.group.rank() != 0:
+            return False
+        param = piece.param
+        if getattr(param, "shared", False):
+            return False
+        pp = self.pp_group
+        if getattr(param, "shared_embedding", False) and pp is not None and pp.rank() != 0:
+            return False
         tp = self.tp_group
-        if tp is None or tp.size() == 1:
-            return True
-        return bool(getattr(piece.param, "tensor_model_parallel", False)) or tp.rank() == 0
+        return tp is None or tp.rank() == 0 or bool(getattr(param, "tensor_model_parallel", False))
 
     def _ensure_grads_loaded(self) -> None:
         """Read this step's reduced grads once (clipping and stepping share them)."""
@@ -132,53 +215,58 @@ class DistributedOptimizer:
             piece.main.grad = piece.grad_slice().float()
         self._grads_loaded = True
 
-    def _write_shards_into_params(self) -> None:
-        with torch.no_grad():
-            for piece in self.pieces:
-                piece.model_slice().copy_(piece.main)
+    def _total_norm(self, norm_type: float) -> torch.Tensor:
+        """The global grad norm as a tensor on the grads' device: one all-reduce, no host sync."""
+        self._ensure_grads_loaded()
+        grads = [p.main.grad for p in self.pieces if p.main.grad is not None and self._counted_in_norm(p)]
+        grads = [g for g in grads if g.numel()]
+        local = torch.zeros((), dtype=torch.float32, device=self._device)
+        if grads:
+            local = local + get_total_norm(grads, norm_type).to(self._device)
+        if norm_type == float("inf"):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.norm_group)
+            return local
+        powered = local.pow(norm_type)
+        dist.all_reduce(powered, group=self.norm_group)
+        return powered.pow(1.0 / norm_type)
 
     def get_grad_norm(self, norm_type: float = 2.0) -> float:
-        """The global grad norm over every owned shard, across DP and the model-parallel groups."""
-        grads = [p.main.grad for p in self.pieces if p.main.grad is not None and self._counted_in_norm(p)]
-        if norm_type == float("inf"):
-            local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
-            total = torch.tensor([local], dtype=torch.float64)
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.norm_group)
-            return float(total.item())
-        local_sum = sum((float(g.double().norm(norm_type) ** norm_type) for g in grads), 0.0)
-        total = torch.tensor([local_sum], dtype=torch.float64)
-        dist.all_reduce(total, group=self.norm_group)
-        return float(total.item() ** (1.0 / norm_type))
+        """The global grad norm over every owned main grad, across DP and the model-parallel groups."""
+        return float(self._total_norm(norm_type).item())
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Scale shard grads so the global norm is at most ``max_norm``; returns the norm before."""
-        self._ensure_grads_loaded()
-        total = self.get_grad_norm(norm_type)
-        coefficient = max_norm / (total + 1e-6)
-        if coefficient < 1.0:
-            for piece in self.pieces:
-                if piece.main.grad is not None:
-                    piece.main.grad = piece.main.grad * coefficient
-        return total
+        """Scale main grads so the global norm is at most ``max_norm``; returns the norm before.
 
-    def step(self, closure: Callable[[], float] | None = None) -> None:
-        """Step the owned shards, write them into the param buffers, and gather the params."""
+        ``max_norm <= 0`` turns clipping off (Megatron's ``clip_grad=0``): only the norm is computed.
+        """
+        total = self._total_norm(norm_type)
+        if max_norm > 0:
+            mains = [piece.main for piece in self.pieces]
+            clip_grads_with_norm_(mains, max_norm, total)
+        return float(total.item())
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        """Step the main params, write them into the model's weights, and gather the params."""
         if closure is not None:
             raise ValueError("DistributedOptimizer.step does not take a closure")
+        self._refuse_stale_main_params()
         self._ensure_grads_loaded()
         self.optimizer.step()
         self._grads_loaded = False  # the next step reads fresh grads, even without zero_grad()
         self._write_shards_into_params()
-        for chunk in self.model_chunks:
-            if not chunk.ddp_config.overlap_param_gather or chunk.ddp_config.align_param_gather:
-                chunk.start_param_sync()  # sync, or dispatched now for all groups with align_param_gather
-            # otherwise the forward pre-hooks gather group by group, overlapped with the next forward
+        self._gather_params()
 
     # --- checkpoints -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The full optimizer state keyed by param name (a collective: call it on every rank; save the
-        result on rank 0). Loads at any DP size."""
+        """The full optimizer state keyed by param name, as CPU tensors, loadable at any DP size.
+
+        A collective: call it on every rank. Each buffer's state is gathered, one bucket at a time, to
+        rank 0 of that buffer's data-parallel group; other ranks get none of it. So with dense params
+        only, DP rank 0 of each (TP, PP) position saves the file; expert params' state lands on rank 0
+        of each expert-data-parallel group, which saves its own part too. Without sharding every rank
+        holds everything and no communication happens.
+        """
         return gather_state(self)
 
     def sharded_state_dict(self) -> dict[str, Any]:
@@ -186,9 +274,13 @@ class DistributedOptimizer:
         return shard_state(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a gathered state dict (from any DP size) on every rank, then gather the params."""
+        """Load a gathered state dict (from any DP size) on every rank; the loaded main params become the
+        model's weights (on every rank, gathered now in sharded mode)."""
         load_state(self, state_dict)
         self._write_shards_into_params()
+        self._model_versions = self._current_model_versions()
+        if not self.sharded:
+            return
         for chunk in self.model_chunks:
             for group in chunk.grad_buffers.all_bucket_groups:
                 if group.param_gather_handle is not None:

@@ -27,41 +27,94 @@ def _hyperparams(opt: DistributedOptimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
 
 
+def _elementwise_keys(opt: DistributedOptimizer, buffer_key: int, group: dist.ProcessGroup) -> list[str]:
+    """The per-element state keys (exp_avg, ...) any rank of ``group`` holds for this buffer; every rank
+    must agree on them before the per-key collectives."""
+    local = {
+        k
+        for piece in opt.pieces
+        if piece.buffer_key == buffer_key
+        for k, v in opt.optimizer.state.get(piece.main, {}).items()
+        if _is_elementwise(v, piece.main.numel())
+    }
+    everyone: list[set[str] | None] = [None] * group.size()
+    dist.all_gather_object(everyone, local, group=group)
+    return sorted(set().union(*(keys or set() for keys in everyone)))
+
+
+def _value(opt: DistributedOptimizer, piece: Any, key: str) -> torch.Tensor:
+    if key == MAIN_PARAM_KEY:
+        return piece.main.detach()  # type: ignore[no-any-return]
+    return opt.optimizer.state[piece.main][key]  # type: ignore[no-any-return]
+
+
+def _gather_bucket(
+    opt: DistributedOptimizer, buffer_key: int, bucket: int, key: str, saver: int
+) -> torch.Tensor | None:
+    """This bucket's values of ``key`` on the saving rank (None elsewhere): each rank sends its shard."""
+    buffer = opt.buffers[buffer_key]
+    group = buffer.data_parallel_group
+    start, end = buffer.bucket_indices[bucket]
+    size = (end - start) // group.size()
+    mine = start + group.rank() * size
+    shard = torch.zeros(size, dtype=torch.float32, device=buffer.device)
+    for piece in opt.pieces:
+        if piece.buffer_key == buffer_key and buffer.param_to_bucket[piece.param].bucket_id == bucket:
+            offset = buffer.param_index_map[piece.param][0] + piece.param_range[0] - mine
+            shard[offset : offset + piece.main.numel()] = _value(opt, piece, key).reshape(-1)
+    receiving = group.rank() == 0
+    parts = [torch.empty_like(shard) for _ in range(group.size())] if receiving else None
+    dist.gather(shard, parts, dst=saver, group=group)
+    return torch.cat(parts) if parts is not None else None
+
+
 def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
-    """Every rank gets the full state: each element has exactly one owner, so a SUM assembles it."""
+    """The state of each buffer's params on rank 0 of its group, streamed one bucket at a time, so no
+    rank ever holds more than one bucket per key beyond what it saves. Tensors come back on the CPU."""
     state: dict[str, dict[str, Any]] = {}
     for key, buffer in enumerate(opt.buffers):
-        pieces = [p for p in opt.pieces if p.buffer_key == key]
         group = buffer.data_parallel_group
-        local_kinds = {
-            k: _is_elementwise(v, piece.main.numel())
-            for piece in pieces
-            for k, v in opt.optimizer.state.get(piece.main, {}).items()
-        }
-        everyone: list[dict[str, bool] | None] = [None] * group.size()
-        dist.all_gather_object(everyone, local_kinds, group=group)
-        kinds = {k: v for d in everyone if d for k, v in d.items()}
-        for name in [MAIN_PARAM_KEY, *sorted(k for k, elementwise in kinds.items() if elementwise)]:
-            flat = torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.device)
-            for piece in pieces:
-                value = piece.main if name == MAIN_PARAM_KEY else opt.optimizer.state[piece.main][name]
-                start = buffer.param_index_map[piece.param][0] + piece.param_range[0]
-                flat[start : start + piece.main.numel()] = value.detach()
-            dist.all_reduce(flat, group=group)
-            for param in buffer.params:
-                start, end, _ = buffer.param_index_map[param]
-                state.setdefault(opt.param_names[param], {})[name] = flat[start:end].view(param.shape).clone()
+        saving = not opt.sharded or group.rank() == 0
+        if opt.sharded:
+            saver = dist.get_global_rank(group, 0)
+            for name in [MAIN_PARAM_KEY, *_elementwise_keys(opt, key, group)]:
+                for bucket in buffer.buckets:
+                    flat = _gather_bucket(opt, key, bucket.bucket_id, name, saver)
+                    if flat is None:
+                        continue
+                    for param in bucket.params_list:
+                        start, end = bucket.param_to_index[param]
+                        entry = state.setdefault(opt.param_names[param], {})
+                        entry[name] = flat[start:end].view(param.shape).cpu()
+        else:
+            for piece in (p for p in opt.pieces if p.buffer_key == key):
+                entry = state.setdefault(
+                    piece.name, {MAIN_PARAM_KEY: piece.main.detach().view(piece.param.shape).cpu()}
+                )
+                for name, value in opt.optimizer.state.get(piece.main, {}).items():
+                    if _is_elementwise(value, piece.main.numel()):
+                        entry[name] = value.view(piece.param.shape).cpu()
         scalars = {
             piece.name: {
-                k: v for k, v in opt.optimizer.state.get(piece.main, {}).items() if not kinds.get(k, False)
+                k: v
+                for k, v in opt.optimizer.state.get(piece.main, {}).items()
+                if not _is_elementwise(v, piece.main.numel())
             }
-            for piece in pieces
+            for piece in opt.pieces
+            if piece.buffer_key == key
         }
-        gathered: list[dict[str, dict[str, Any]] | None] = [None] * group.size()
-        dist.all_gather_object(gathered, scalars, group=group)
-        for part in gathered:
+        if not opt.sharded:
+            parts: list[dict[str, dict[str, Any]] | None] = [scalars]
+        else:
+            parts = [None] * group.size() if saving else []
+            dist.gather_object(
+                scalars, parts if saving else None, dst=dist.get_global_rank(group, 0), group=group
+            )
+        for part in parts:
             for param_name, values in (part or {}).items():
-                state[param_name].update(values)
+                state[param_name].update(
+                    {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+                )
     return {"format": "gathered", "param_groups": _hyperparams(opt), "state": state}
 
 
@@ -76,7 +129,9 @@ def shard_state(opt: DistributedOptimizer) -> dict[str, Any]:
                 "name": piece.name,
                 "shape": tuple(piece.param.shape),
                 "range": piece.param_range,
-                "state": {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()},
+                "state": {
+                    k: v.cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()
+                },
             }
         )
     return {"format": "sharded", "param_groups": _hyperparams(opt), "pieces": pieces}
@@ -145,6 +200,8 @@ def load_state(opt: DistributedOptimizer, state_dict: dict[str, Any]) -> None:
                     continue
                 restored[key] = sliced.clone()
             else:
-                restored[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                restored[key] = (
+                    value.clone() if isinstance(value, torch.Tensor) else value
+                )  # keeps its device
         if restored:
             opt.optimizer.state[piece.main] = restored

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.groups import ProcessGroupCollection
+from gradsync.groups.model_config import model_parallel_sizes
 
 from . import reductions
 from .protocol import find_attribute_owner
@@ -55,6 +56,14 @@ def resolve_groups(
     if pg_collection is None:
         pg_collection = getattr(model[0], "pg_collection", None)
         if pg_collection is None:
+            parallel = model_parallel_sizes(config)
+            if parallel:
+                sizes = ", ".join(f"{k}={v}" for k, v in parallel.items())
+                raise ValueError(
+                    f"finalize_model_grads: the config says {sizes} but neither the pg_collection argument "
+                    "nor the model chunk carries process groups, so the model-parallel reductions cannot "
+                    "run. Pass pg_collection=gradsync.groups.initialize_model_parallel(...)."
+                )
             return ProcessGroupCollection(dp_cp=dist.group.WORLD, tp_dp_cp=dist.group.WORLD)
     for name, reason in _required_groups(config, num_tokens).items():
         if getattr(pg_collection, name) is None:

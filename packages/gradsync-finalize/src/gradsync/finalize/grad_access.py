@@ -29,13 +29,21 @@ def read_grad(param: torch.Tensor) -> torch.Tensor | None:
 
 
 def write_grad(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Store a reduced full gradient back, in place for plain tensors, redistributed for DTensors."""
+    """Store a reduced full gradient back, in place for plain tensors, redistributed for DTensors.
+
+    A wrapper whose ``main_grad`` cannot be the optimizer-facing grad (bf16 params with fp32 main grads)
+    keeps ``.grad`` as a copy in the param dtype: that copy is refreshed too, so an optimizer stepping on
+    ``.grad`` after finalize sees the finished gradient.
+    """
     attribute = grad_attribute(param)
     original = getattr(param, attribute)
     if isinstance(original, DTensor):
         setattr(param, attribute, distribute_tensor(full, original.device_mesh, original.placements))
     elif original.data_ptr() != full.data_ptr():
         original.copy_(full)
+    copy = param.grad if attribute == "main_grad" else None
+    if copy is not None and not isinstance(copy, DTensor) and copy.data_ptr() != original.data_ptr():
+        copy.copy_(full)
 
 
 def all_reduce_grads(
@@ -47,9 +55,9 @@ def all_reduce_grads(
     for param, grad in grads:
         if grad is not None:
             by_dtype.setdefault(grad.dtype, []).append((param, grad))
-    trusted_avg = get_backend_capabilities(group).avg_trusted
     for pairs in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for _, g in pairs])
+        trusted_avg = get_backend_capabilities(group, flat.device).avg_trusted
         op = dist.ReduceOp.AVG if average and trusted_avg else dist.ReduceOp.SUM
         dist.all_reduce(flat, op=op, group=group)
         if average and not trusted_avg:

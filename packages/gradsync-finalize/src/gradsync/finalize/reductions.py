@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradsync.groups import device_for_group
+
 from .grad_access import all_reduce_grads, read_grad, write_grad
 from .protocol import find_attribute_owner
 
@@ -198,12 +200,19 @@ def scale_by_token_count(
     dp_cp_group: dist.ProcessGroup | None,
 ) -> None:
     """Broadcast the token count from the last pipeline stage, sum it over dp x cp, and scale every
-    chunk's grads by 1 / max(count, 1). ``num_tokens`` is updated in place to the global count."""
+    chunk's grads by 1 / max(count, 1). ``num_tokens`` is updated in place to the global count.
+
+    The count travels on a device the groups take (a CPU count with NCCL groups is moved to the GPU and
+    back), and the scaling stays a tensor, so no host sync is needed."""
+    device = device_for_group(dp_cp_group or pp_group, preferred=num_tokens.device)
+    count = num_tokens.to(device)
     if _size(pp_group) > 1:
         assert pp_group is not None
-        dist.broadcast(num_tokens, src=dist.get_process_group_ranks(pp_group)[-1], group=pp_group)
+        dist.broadcast(count, src=dist.get_process_group_ranks(pp_group)[-1], group=pp_group)
     if dp_cp_group is not None:
-        dist.all_reduce(num_tokens, group=dp_cp_group)
-    scaling = 1.0 / torch.clamp(num_tokens, min=1)
+        dist.all_reduce(count, group=dp_cp_group)
+    if count.data_ptr() != num_tokens.data_ptr():
+        num_tokens.copy_(count)
+    scaling = 1.0 / torch.clamp(count, min=1)
     for chunk in model:
         chunk.scale_gradients(scaling)

@@ -63,3 +63,22 @@ class ModelParallelConfig:
     """Timers put a barrier before L1 timings."""
     timers: Callable[..., Any] | None = None
     """Megatron-style timers callable, or None to time nothing."""
+
+
+MODEL_PARALLEL_SIZE_FIELDS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
+
+
+def model_parallel_sizes(config: object) -> dict[str, int]:
+    """The config's model-parallel sizes above 1, by field name (a field it lacks, or None, counts as 1).
+
+    Wrappers use it to refuse a model-parallel config given without process groups, which would otherwise
+    treat TP shards or pipeline stages as data-parallel replicas.
+    """
+    sizes = {name: int(getattr(config, name, 1) or 1) for name in MODEL_PARALLEL_SIZE_FIELDS}
+    return {name: size for name, size in sizes.items() if size > 1}

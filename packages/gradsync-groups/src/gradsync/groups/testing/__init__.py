@@ -1,12 +1,16 @@
-"""Run a function, or a pytest test body, on N spawned ranks over gloo (NCCL with enough CUDA devices).
+"""Run a function, or a pytest test body, on N spawned ranks, on the CPU over gloo or on CUDA devices.
 
 >>> results = run_distributed(my_module_level_fn, world_size=4, args=(3,))   # one result per rank
 
+Ranks build their tensors on :func:`test_device`: the CPU unless ``GRADSYNC_TEST_DEVICE=cuda`` (or
+``device="cuda"``) asks for GPUs, which run over NCCL when each rank can have its own GPU and over gloo with
+CUDA tensors when ranks must share them.
+
 A hang fails within ``timeout`` seconds with every rank's Python stack (:class:`RankTimeout`); the first
 failing rank's exception and traceback come back as :class:`RankFailure` naming that rank; stragglers are
-killed. Ranks are pooled per world size and reused across tests (set ``GRADSYNC_TEST_REUSE_RANKS=0`` to
-spawn fresh ranks for every call). Functions and arguments travel by pickle, so functions must be defined
-at module level.
+killed. Ranks are pooled per world size, backend and device, and reused across tests (set
+``GRADSYNC_TEST_REUSE_RANKS=0`` to spawn fresh ranks for every call). Functions and arguments travel by
+pickle, so functions must be defined at module level.
 """
 
 from __future__ import annotations
@@ -18,20 +22,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..backend import default_backend
+from .delays import CollectiveProbe, DeferredWork, delayed_collectives
+from .devices import backend_for, requested_device, test_device
 from .pool import RankFailure, RankPool, RankTimeout, Rendezvous
 
 __all__ = [
+    "CollectiveProbe",
+    "DeferredWork",
     "RankFailure",
     "RankPool",
     "RankTimeout",
+    "delayed_collectives",
     "distributed_test",
     "run_distributed",
     "shutdown_pools",
+    "test_device",
 ]
 
 DEFAULT_TIMEOUT_S = 120.0
-_pools: dict[tuple[int, str, str], RankPool] = {}
+_pools: dict[tuple[int, str, str, str], RankPool] = {}
 
 
 def _reuse_ranks() -> bool:
@@ -56,22 +65,32 @@ def run_distributed(
     *,
     timeout: float = DEFAULT_TIMEOUT_S,
     backend: str | None = None,
+    device: str | None = None,
     rendezvous: Rendezvous = "file",
     reuse: bool | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks in one default process group.
 
-    Returns the per-rank results in rank order. ``reuse=False`` gives the call fresh ranks of its own,
-    which suits tests that are expected to fail (a failure kills the pool either way).
+    Returns the per-rank results in rank order. ``device`` (``"cpu"`` or ``"cuda"``; default
+    ``GRADSYNC_TEST_DEVICE``, else ``"cpu"``) is where the ranks build tensors, see :func:`test_device`;
+    the backend follows from it (gloo on the CPU; NCCL on CUDA with a GPU per rank, else gloo) unless
+    ``backend`` names one. ``reuse=False`` gives the call fresh ranks of its own, which suits tests that
+    are expected to fail (a failure kills the pool either way).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    backend = backend or default_backend(world_size)
+    device = requested_device(device)
+    backend = backend or backend_for(device, world_size)
+    if backend == "nccl" and device != "cuda":
+        raise ValueError(
+            f"backend='nccl' takes CUDA tensors, but the test device is {device!r}: pass device='cuda' "
+            "or set GRADSYNC_TEST_DEVICE=cuda"
+        )
     reuse = _reuse_ranks() if reuse is None else reuse
-    key = (world_size, backend, rendezvous)
+    key = (world_size, backend, device, rendezvous)
     pool = _pools.pop(key, None) if reuse else None
     if pool is None or not pool.alive:
-        pool = RankPool(world_size, backend, rendezvous=rendezvous, pg_timeout_s=timeout)
+        pool = RankPool(world_size, backend, device=device, rendezvous=rendezvous, pg_timeout_s=timeout)
     results = pool.run(fn, tuple(args), dict(kwargs or {}), timeout)  # raises after killing the pool
     if reuse:
         _pools[key] = pool
@@ -98,16 +117,17 @@ F = TypeVar("F", bound=Callable[[], Any])
 
 
 def distributed_test(
-    world_sizes: Sequence[int] = (2,), *, timeout: float = DEFAULT_TIMEOUT_S
+    world_sizes: Sequence[int] = (2,), *, timeout: float = DEFAULT_TIMEOUT_S, device: str | None = None
 ) -> Callable[[F], Callable[[int], None]]:
     """Turn a module-level, argument-free test body into a pytest test run on each world size.
 
-    The body runs on every rank with the default process group initialised, and reads its rank from
-    ``torch.distributed``. Example::
+    The body runs on every rank with the default process group initialised, reads its rank from
+    ``torch.distributed`` and builds its tensors on :func:`test_device`. ``device`` pins the test to one
+    device (as :func:`run_distributed`'s); by default ``GRADSYNC_TEST_DEVICE`` decides. Example::
 
         @distributed_test(world_sizes=[2, 4])
         def test_all_reduce():
-            t = torch.ones(1)
+            t = torch.ones(1, device=test_device())
             dist.all_reduce(t)
             assert t.item() == dist.get_world_size()
     """
@@ -117,7 +137,7 @@ def distributed_test(
         ref = _TestBody(body.__module__, body.__qualname__)
 
         def test(world_size: int) -> None:
-            run_distributed(ref, world_size, timeout=timeout)
+            run_distributed(ref, world_size, timeout=timeout, device=device)
 
         test.__name__ = body.__name__
         test.__qualname__ = body.__qualname__

@@ -1,8 +1,8 @@
 """A pool of spawned ranks that share one process group and run functions on request.
 
 Starting a rank (a fresh interpreter importing torch, then the rendezvous) costs seconds on a small
-machine, so a pool per (world size, backend) is kept for the life of the test process and reused across
-tests. A pool that saw a failure or a hang is killed, never reused: one failed or mismatched gloo
+machine, so a pool per (world size, backend, device) is kept for the life of the test process and reused
+across tests. A pool that saw a failure or a hang is killed, never reused: one failed or mismatched gloo
 collective desyncs the ranks, and every later op would time out.
 """
 
@@ -57,19 +57,22 @@ def _free_port() -> int:
 
 
 class RankPool:
-    """``world_size`` spawned ranks joined in one default process group."""
+    """``world_size`` spawned ranks joined in one default process group, building tensors on ``device``
+    (``"cpu"`` or ``"cuda"``; with CUDA each rank takes GPU ``rank % device_count``)."""
 
     def __init__(
         self,
         world_size: int,
         backend: str,
         *,
+        device: str = "cpu",
         rendezvous: Rendezvous = "file",
         pg_timeout_s: float = 120.0,
         start_timeout_s: float = 120.0,
     ) -> None:
         self.world_size = world_size
         self.backend = backend
+        self.device = device
         self._dir = Path(tempfile.mkdtemp(prefix="gradsync-ranks-"))
         if rendezvous == "file":
             init_method = f"file://{self._dir / 'rendezvous'}"
@@ -85,6 +88,7 @@ class RankPool:
                 rank=rank,
                 world_size=world_size,
                 backend=backend,
+                device=device,
                 init_method=init_method,
                 pg_timeout_s=pg_timeout_s,
                 stack_file=str(self._dir / f"stack-{rank}.txt"),

@@ -19,6 +19,8 @@ from multiprocessing.queues import Queue
 import torch
 import torch.distributed as dist
 
+from .devices import enter_rank
+
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 
@@ -27,6 +29,7 @@ class WorkerSpec:
     rank: int
     world_size: int
     backend: str
+    device: str
     init_method: str
     pg_timeout_s: float
     stack_file: str
@@ -79,9 +82,8 @@ def worker_main(spec: WorkerSpec, tasks: Queue[bytes | None], outcomes: Queue[Ou
     os.environ["LOCAL_RANK"] = str(spec.rank)
     # Ranks share the machine's cores: one intra-op thread pool each would oversubscribe them.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
-    if spec.backend == "nccl":
-        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
     try:
+        enter_rank(spec.device, spec.rank)
         dist.init_process_group(
             spec.backend,
             init_method=spec.init_method,

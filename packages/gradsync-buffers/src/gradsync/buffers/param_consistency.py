@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.buffers import is_expert_parallel
+from .layout import is_expert_parallel
 
 ParamSignature = tuple[str, tuple[int, ...], str, bool]
 
@@ -56,16 +56,18 @@ def check_params_match_across_ranks(
     named_params: Sequence[tuple[str, nn.Parameter]],
     group: dist.ProcessGroup,
     expert_group: dist.ProcessGroup | None = None,
+    *,
+    who: str = "DistributedDataParallel",
 ) -> None:
     """Raise ``ValueError`` on every rank if any rank of ``group`` wraps different params (experts: any
-    rank of ``expert_group``)."""
-    _check(param_signatures(named_params, anonymous_experts=True), group, "data-parallel")
+    rank of ``expert_group``); ``who`` names the wrapper in the message."""
+    _check(param_signatures(named_params, anonymous_experts=True), group, "data-parallel", who)
     experts = [(name, p) for name, p in named_params if is_expert_parallel(p)]
     if experts and expert_group is not None:  # every rank of `group` agrees here: the check above passed
-        _check(param_signatures(experts), expert_group, "expert-data-parallel")
+        _check(param_signatures(experts), expert_group, "expert-data-parallel", who)
 
 
-def _check(mine: list[ParamSignature], group: dist.ProcessGroup, kind: str) -> None:
+def _check(mine: list[ParamSignature], group: dist.ProcessGroup, kind: str, who: str) -> None:
     everyone: list[list[ParamSignature] | None] = [None] * group.size()
     dist.all_gather_object(everyone, mine, group=group)
     ranks = dist.get_process_group_ranks(group)
@@ -75,7 +77,7 @@ def _check(mine: list[ParamSignature], group: dist.ProcessGroup, kind: str) -> N
         assert theirs is not None
         if theirs != reference:
             raise ValueError(
-                f"DistributedDataParallel: the model differs between {kind} ranks {ranks[0]} and "
+                f"{who}: the model differs between {kind} ranks {ranks[0]} and "
                 f"{ranks[position]}: {_first_difference(reference, theirs)}. Every {kind} rank must wrap the "
                 "same parameters (names, shapes, dtypes, requires_grad)."
             )
