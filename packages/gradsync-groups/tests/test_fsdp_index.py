@@ -45,6 +45,14 @@ def plain_fsdp_over_four() -> None:
         FSDPDistributedIndex.from_sizes(dp_shard=2)
 
 
+def from_an_existing_group() -> None:
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mine = pairs[dist.get_rank() % 2]
+    index = FSDPDistributedIndex.from_group(mine, device_type=test_device().type)
+    assert ranks(index.get_fsdp_group()) == [dist.get_rank() % 2, dist.get_rank() % 2 + 2]
+    assert index.get_submesh("dp_shard").size() == 2
+
+
 def explicit_meshes_with_experts() -> None:
     device_type = test_device().type
     mesh = init_device_mesh(device_type, (4, 1), mesh_dim_names=("dp_shard", "tp"))
@@ -59,6 +67,8 @@ def explicit_meshes_with_experts() -> None:
         FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard", dp_outer_dim="tp")
 
 
-@pytest.mark.parametrize("body", [hsdp_two_by_two, plain_fsdp_over_four, explicit_meshes_with_experts])
+@pytest.mark.parametrize(
+    "body", [hsdp_two_by_two, plain_fsdp_over_four, from_an_existing_group, explicit_meshes_with_experts]
+)
 def test_fsdp_index(body: object) -> None:
     run_distributed(body, 4)  # type: ignore[arg-type]

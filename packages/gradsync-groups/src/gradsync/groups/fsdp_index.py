@@ -114,6 +114,15 @@ class FSDPDistributedIndex:
             hsdp_outer_dp_shard=hsdp_outer_dp_shard,
         )
 
+    @classmethod
+    def from_group(cls, group: dist.ProcessGroup, *, device_type: str | None = None) -> FSDPDistributedIndex:
+        """Index a one-dimensional shard mesh over an existing group, such as the data-parallel group of a
+        ProcessGroupCollection when FSDP runs beside tensor or pipeline parallelism."""
+        if device_type is None:
+            device_type = get_backend_capabilities(group).device_type
+        mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_shard",))
+        return cls(mesh, dp_shard_dim="dp_shard")
+
     def _register(self, mesh: DeviceMesh, *, is_expert: bool, outer_only: bool) -> None:
         shard, outer, tp = self.dp_shard_dim, self.dp_outer_dim, self.tp_dim
         assert shard is not None

@@ -1,0 +1,258 @@
+"""One bucket's storage and collectives: compute weights, main weights and grads as flat buffers.
+
+Params are views into the bucket's flat compute-weight buffer (zero-copy: a gather or a grad
+reduction works on the buffer itself, never on per-param copies). What is kept whole and what only as
+this rank's shard follows the strategy (:class:`~gradsync.fsdp.strategy.Sharding`). Under ZeRO-3 the
+whole compute buffer exists only between :meth:`FlatParamBucket.launch_gather` and
+:meth:`FlatParamBucket.release`: its storage is resized to zero in between, and the params' views follow
+it. The optimizer's params are views of the main-weight buffer (or, when the main dtype is the compute
+dtype, of the compute weights themselves), so its in-place updates land in the buffer.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+
+from gradsync.buffers.collectives import Launched, all_gather_shards, all_reduce, reduce_scatter
+
+from .layout import BucketLayout, compute_bucket_layout
+from .mixed_precision import MixedPrecisionPolicy
+from .strategy import Sharding
+from .units import BucketSpec
+
+
+class BucketStatus(Enum):
+    """Compute weights of a bucket: not held whole, being gathered, or ready to use."""
+
+    EMPTY = 1
+    COMMUNICATING = 3
+    READY_TO_USE = 4
+
+
+class PrefetchOrder(Enum):
+    """Which neighbouring unit a gather prefetches: the next in forward order or the previous one."""
+
+    FORWARD_PASS_ORDER = 0
+    BACKWARD_PASS_ORDER = 1
+
+
+class GradReduction:
+    """How grads are scaled and reduced: pre-multiplied by ``factor`` (None: not scaled) and summed, or
+    averaged by the collective."""
+
+    def __init__(self, factor: float | None, average_in_collective: bool) -> None:
+        self.factor = factor
+        self.average = average_in_collective
+
+
+class FlatParamBucket:
+    """The flat buffers of one bucket and the collectives that keep them in sync across ``group``."""
+
+    def __init__(
+        self,
+        bucket_id: int,
+        spec: BucketSpec,
+        sharding: Sharding,
+        policy: MixedPrecisionPolicy,
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        self.bucket_id, self.spec, self.sharding, self.group = bucket_id, spec, sharding, group
+        self.rank = group.rank()
+        world = group.size() if sharding.shard_main else 1
+        self.layout: BucketLayout = compute_bucket_layout([p.shape for p in spec.params], world)
+        self.shard_lo, self.shard_hi = self.layout.shard_range(self.rank if sharding.shard_main else 0)
+        self.dtype, self.device = spec.dtype, device
+
+        self.weight = torch.zeros(self.layout.size, dtype=self.dtype, device=device)
+        with torch.no_grad():
+            for param, item in zip(spec.params, self.layout.items, strict=True):
+                view = self._item_view(self.weight, 0, item.offset, item.end, item.shape)
+                view.copy_(param.detach())
+                param.data = view
+        self.weight_shard = (
+            self.weight[self.shard_lo : self.shard_hi].clone() if sharding.shard_params else None
+        )
+
+        main_dtype = policy.main_dtype(self.dtype)
+        self.main_weight: torch.Tensor | None = None
+        if main_dtype != self.dtype:
+            lo, hi = self.main_range
+            self.main_weight = self.weight[lo:hi].to(main_dtype)
+
+        self.grad_dtype = policy.grad_dtype(self.dtype)
+        self.comm_dtype = policy.comm_dtype(self.dtype)
+        self.grad: torch.Tensor | None = None
+        self._unreduced: torch.Tensor | None = None  # ZeRO-2/3: this backward's whole-bucket grads
+        if spec.requires_grad:
+            lo, hi = self.grad_range
+            self.grad = torch.zeros(hi - lo, dtype=self.grad_dtype, device=device)
+            if not sharding.shard_grads:
+                for param, item in zip(spec.params, self.layout.items, strict=True):
+                    param.main_grad = self._item_view(self.grad, 0, item.offset, item.end, item.shape)  # type: ignore[attr-defined]
+        self.status = BucketStatus.READY_TO_USE
+        self._gather: Launched | None = None
+        self._installed_version = self.optimizer_source()[0]._version
+        if sharding.shard_params:
+            self.release()
+
+    # --- coordinates -------------------------------------------------------------------------------
+    @property
+    def main_range(self) -> tuple[int, int]:
+        """Buffer coordinates the main weights (and the optimizer) cover on this rank."""
+        return (self.shard_lo, self.shard_hi) if self.sharding.shard_main else (0, self.layout.size)
+
+    @property
+    def grad_range(self) -> tuple[int, int]:
+        """Buffer coordinates the persistent grad buffer covers on this rank."""
+        return (self.shard_lo, self.shard_hi) if self.sharding.shard_grads else (0, self.layout.size)
+
+    def optimizer_source(self) -> tuple[torch.Tensor, int]:
+        """The tensor the optimizer's params view, and the buffer coordinate of its first element."""
+        if self.main_weight is not None:
+            return self.main_weight, self.main_range[0]
+        if self.weight_shard is not None:
+            return self.weight_shard, self.shard_lo
+        return self.weight, 0
+
+    def optimizer_stepped(self) -> bool:
+        """Whether the weights the optimizer views changed since they were last installed (every
+        in-place write to a view bumps the buffer's version counter)."""
+        return self.optimizer_source()[0]._version != self._installed_version
+
+    def _mark_installed(self) -> None:
+        self._installed_version = self.optimizer_source()[0]._version
+
+    def local_span(self, index: int) -> tuple[int, int]:
+        """Buffer coordinates of item ``index``'s rows this rank's optimizer owns."""
+        if not self.sharding.shard_main:
+            item = self.layout.items[index]
+            return item.offset, item.end
+        return self.layout.local_span(index, self.rank)
+
+    def local_view(self, tensor: torch.Tensor, base: int, index: int) -> torch.Tensor:
+        """Item ``index``'s locally owned rows of ``tensor`` (whose first element is coordinate ``base``)."""
+        start, end = self.local_span(index)
+        shape = self.layout.items[index].shape
+        return self._item_view(tensor, base, start, end, shape)
+
+    @staticmethod
+    def _item_view(tensor: torch.Tensor, base: int, start: int, end: int, shape: torch.Size) -> torch.Tensor:
+        flat = tensor[start - base : end - base]
+        if len(shape) <= 1:
+            return flat.view(-1) if len(shape) == 1 else flat.view(shape)
+        return flat.view(-1, *shape[1:])
+
+    # --- compute weights ---------------------------------------------------------------------------
+    def launch_gather(self) -> None:
+        """Start filling the whole compute buffer from every rank's shard (no-op when it is current)."""
+        if self.status is not BucketStatus.EMPTY:
+            return
+        if self.weight_shard is not None:
+            self.weight.untyped_storage().resize_(self.layout.size * self.weight.element_size())
+            self.weight[self.shard_lo : self.shard_hi].copy_(self.weight_shard)
+        self._gather = all_gather_shards(self.weight, self.group)
+        self.status = BucketStatus.COMMUNICATING
+
+    def wait_gather(self) -> None:
+        if self.status is BucketStatus.EMPTY:
+            self.launch_gather()
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = None
+            if self.optimizer_source()[0] is self.weight:  # the gather wrote what the optimizer views
+                self._mark_installed()
+        self.status = BucketStatus.READY_TO_USE
+
+    def release(self) -> None:
+        """ZeRO-3: drop the whole compute buffer (the params' views go with it)."""
+        if self.weight_shard is None or self.status is BucketStatus.EMPTY:
+            return
+        self.wait_gather()
+        self.weight.untyped_storage().resize_(0)
+        self.status = BucketStatus.EMPTY
+
+    def mark_replicas_stale(self) -> None:
+        """ZeRO-1/2: other ranks' shards of the compute buffer changed; gather before the next use."""
+        if self.sharding.shard_main and self.weight_shard is None and self.layout.world > 1:
+            self.status = BucketStatus.EMPTY
+
+    def install_main_weights(self) -> None:
+        """Copy the optimizer's updated weights into this rank's part of the compute weights."""
+        with torch.no_grad():
+            if self.main_weight is not None:
+                lo, hi = self.main_range
+                target = self.weight_shard if self.weight_shard is not None else self.weight[lo:hi]
+                target.copy_(self.main_weight)
+        self.mark_replicas_stale()
+        self._mark_installed()
+
+    def reset_from_weights(self) -> None:
+        """Re-derive this rank's weight shard and main weights from the whole compute buffer."""
+        with torch.no_grad():
+            if self.weight_shard is not None:
+                self.weight_shard.copy_(self.weight[self.shard_lo : self.shard_hi])
+            if self.main_weight is not None:
+                lo, hi = self.main_range
+                self.main_weight.copy_(self.weight[lo:hi])
+        self._mark_installed()
+
+    # --- grads -------------------------------------------------------------------------------------
+    def accumulate(self, index: int, grad: torch.Tensor) -> None:
+        """Add one param's grad from this backward into the bucket."""
+        item = self.layout.items[index]
+        if self.sharding.shard_grads:
+            if self._unreduced is None:
+                self._unreduced = torch.zeros(self.layout.size, dtype=self.comm_dtype, device=self.device)
+            target = self._item_view(self._unreduced, 0, item.offset, item.end, item.shape)
+        else:
+            assert self.grad is not None
+            target = self._item_view(self.grad, 0, item.offset, item.end, item.shape)
+        target.add_(grad.view_as(target))
+
+    def launch_reduce(self, reduction: GradReduction, check_for_nan: bool = False) -> Launched:
+        """Scale and reduce this bucket's grads: reduce-scatter into the shard (ZeRO-1/2/3; ZeRO-2/3 add
+        it to the accumulated shard), or all-reduce the whole buffer (no_shard)."""
+        assert self.grad is not None
+        if self.sharding.shard_grads:
+            if self._unreduced is None:  # no param of the bucket got a grad this backward
+                self._unreduced = torch.zeros(self.layout.size, dtype=self.comm_dtype, device=self.device)
+            wire = self._unreduced
+        else:
+            wire = self.grad if self.comm_dtype == self.grad_dtype else self.grad.to(self.comm_dtype)
+        if check_for_nan and not bool(torch.isfinite(wire).all()):
+            names = ", ".join(self.spec.names)
+            raise RuntimeError(
+                f"MegatronFSDP (check_for_nan_in_grad=True): NaN or Inf in the grads of bucket "
+                f"{self.bucket_id} ({names}) on rank {dist.get_rank()}, before the reduction"
+            )
+        if reduction.factor is not None and not reduction.average:
+            wire.mul_(reduction.factor)
+        if not self.sharding.shard_main:
+            launched = all_reduce(wire, self.group, average=reduction.average)
+        else:
+            launched = reduce_scatter(wire, self.group, average=reduction.average)
+        launched.after.append(lambda: self._finish_reduce(wire))
+        return launched
+
+    def _finish_reduce(self, wire: torch.Tensor) -> None:
+        assert self.grad is not None
+        if self.sharding.shard_grads:
+            self.grad.add_(wire[self.shard_lo : self.shard_hi])
+            self._unreduced = None
+        elif wire is not self.grad:
+            self.grad.copy_(wire)
+
+    def grad_view(self, index: int) -> torch.Tensor | None:
+        """Item ``index``'s reduced grad rows owned by this rank (None when it owns none)."""
+        if self.grad is None or self.local_span(index)[0] == self.local_span(index)[1]:
+            return None
+        return self.local_view(self.grad, self.grad_range[0], index)
+
+    def zero_grad(self) -> None:
+        if self.grad is not None:
+            self.grad.zero_()
+        self._unreduced = None

@@ -1,0 +1,82 @@
+"""The autograd plumbing of MegatronFSDP: per-module training state, the post-backward trigger on a
+unit's inputs, and the hooks that fire on the first grad of a module's outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum, auto
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+class TrainingState(Enum):
+    """Where a module is in the step: FORWARD → PRE_BACKWARD → POST_BACKWARD → IDLE."""
+
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+    IDLE = auto()
+
+
+def set_state(module: nn.Module, state: TrainingState) -> None:
+    """Set ``state`` on ``module`` and every module inside it."""
+    for sub in module.modules():
+        sub._training_state = state  # type: ignore[assignment]
+
+
+def get_state(module: nn.Module) -> TrainingState:
+    state = getattr(module, "_training_state", TrainingState.IDLE)
+    assert isinstance(state, TrainingState)
+    return state
+
+
+class RegisterFSDPBackwardFunction(torch.autograd.Function):
+    """Identity on a module's inputs whose backward calls ``post_backward``: once grads reach a unit's
+    inputs, the unit's own backward is done and its weights can be released."""
+
+    @staticmethod
+    def forward(ctx: Any, post_backward: Callable[[], None], *inputs: torch.Tensor) -> Any:
+        ctx.post_backward = post_backward
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.post_backward()
+        return (None, *grads)
+
+
+def attach_post_backward(
+    args: tuple[Any, ...], kwargs: dict[str, Any], post_backward: Callable[[], None]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Route the grad-requiring tensors of ``(args, kwargs)`` through the post-backward trigger."""
+    if not torch.is_grad_enabled():
+        return args, kwargs
+    leaves, spec = tree_flatten((args, kwargs))
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not positions:
+        return args, kwargs
+    outputs = RegisterFSDPBackwardFunction.apply(post_backward, *(leaves[i] for i in positions))  # type: ignore[no-untyped-call]
+    for i, out in zip(positions, outputs, strict=True):
+        leaves[i] = out
+    new_args, new_kwargs = tree_unflatten(leaves, spec)
+    return new_args, new_kwargs
+
+
+def on_first_output_grad(output: Any, handler: Callable[[], None]) -> None:
+    """Call ``handler`` once, when backward computes the first grad of any tensor in ``output``."""
+    if not torch.is_grad_enabled():
+        return
+    leaves, _ = tree_flatten(output)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    if tensors:
+        torch.autograd.graph.register_multi_grad_hook(tensors, lambda _grads: handler(), mode="any")
+
+
+def replace_module_parameter(module: nn.Module, name: str, new_param: nn.Parameter) -> None:
+    """Set the param at dotted path ``name`` of ``module`` to ``new_param``."""
+    owner_path, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    setattr(owner, leaf, new_param)

@@ -1,0 +1,461 @@
+"""MegatronFSDP: sharded data parallelism over flat, zero-copy param/grad buffers (spec fsdp.md §1-§3).
+
+Deliberate differences from Megatron-FSDP v1 (see the package README): the caller's config is never
+mutated; gradients are never silently left unreduced (``is_last_microbatch`` defaults to True and
+``finish_grad_sync`` reduces whatever a cycle left pending); ``parameters()`` always yields the optimizer's
+DTensor params while the wrapped module always holds the compute params; ZeRO-1/2 replicas are refreshed
+after every ``install_optimized_model_weights`` (and a forward after an optimizer step installs the
+weights itself if nobody did); ``sync()``/``no_sync()`` restore the previous value; ZeRO-3 releases
+non-unit buckets after every backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.buffers import DistributedDataParallelConfig, check_params_match_across_ranks
+from gradsync.groups import FSDPDistributedIndex
+
+from .bucket import BucketStatus, FlatParamBucket, GradReduction, PrefetchOrder
+from .hooks import (
+    TrainingState,
+    attach_post_backward,
+    get_state,
+    on_first_output_grad,
+    set_state,
+)
+from .mixed_precision import MixedPrecisionPolicy
+from .optimizer_params import attach_grads, build_optimizer_params
+from .strategy import parse_strategy
+from .support import refuse_unsupported
+from .units import UnitEntry, find_units, group_into_buckets, resolve_unit_classes
+
+
+def default_fsdp_config() -> DistributedDataParallelConfig:
+    """ZeRO-3 with overlapped gathers and reductions, as Megatron-FSDP defaults to."""
+    return DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+    )
+
+
+class MegatronFSDP(nn.Module):
+    """Fully sharded data parallelism for ``module`` over ``dist_index``'s shard group.
+
+    ``parameters()`` / ``named_parameters()`` yield the optimizer's params: dim-0 DTensor shards (uneven,
+    possibly empty) of the main weights, ``Replicate`` for ``no_shard``. Build the optimizer on them; call
+    ``finish_grad_sync()`` before ``optimizer.step()`` and ``install_optimized_model_weights()`` after it.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        dist_index: FSDPDistributedIndex,
+        ddp_config: DistributedDataParallelConfig | None = None,
+        fsdp_unit_modules: Sequence[UnitEntry] | None = None,
+        disable_bucketing: bool = False,
+        device: torch.device | None = None,
+        calculate_per_token_loss: bool = False,
+        init_model_with_meta_device: bool = False,
+        sync_model_each_microbatch: bool = False,
+        keep_fp8_transpose_cache: bool = False,
+        nccl_ub: bool = False,
+        fsdp_double_buffer: bool = False,
+        disable_symmetric_registration: bool = False,
+        mixed_precision_policy: MixedPrecisionPolicy | None = None,
+    ) -> None:
+        super().__init__()
+        if ddp_config is None:
+            ddp_config = dataclasses.replace(
+                default_fsdp_config(),
+                nccl_ub=nccl_ub,
+                fsdp_double_buffer=fsdp_double_buffer or nccl_ub,
+                keep_fp8_transpose_cache=keep_fp8_transpose_cache,
+                disable_symmetric_registration=disable_symmetric_registration,
+            )
+        self.ddp_config = ddp_config
+        self.sharding = parse_strategy(ddp_config.data_parallel_sharding_strategy)
+        self.data_parallel_sharding_strategy = self.sharding.name
+        self.dist_index = dist_index
+        self.mp_policy = mixed_precision_policy or _policy_from_config(ddp_config)
+        self.device = device if device is not None else _module_device(module)
+        refuse_unsupported(ddp_config, dist_index, self.device, init_model_with_meta_device)
+        if device is not None:
+            module.to(device)
+        self.module = module
+        self.calculate_per_token_loss = calculate_per_token_loss
+
+        group = dist_index.get_fsdp_group()
+        named = list(module.named_parameters())
+        check_params_match_across_ranks(named, group, who="MegatronFSDP")
+        self.fsdp_unit_modules = resolve_unit_classes(fsdp_unit_modules)
+        self.units = find_units(module, self.fsdp_unit_modules)
+        bucket_size = None if disable_bucketing else ddp_config.bucket_size
+        specs = group_into_buckets(module, self.units, bucket_size)
+        self.buckets = [
+            FlatParamBucket(i, spec, self.sharding, self.mp_policy, group, self.device)
+            for i, spec in enumerate(specs)
+        ]
+        self._unit_buckets: list[list[FlatParamBucket]] = [[] for _ in self.units]
+        self._non_unit_buckets: list[FlatParamBucket] = []
+        for bucket in self.buckets:
+            unit_id = bucket.spec.unit_id
+            (self._unit_buckets[unit_id] if unit_id is not None else self._non_unit_buckets).append(bucket)
+
+        self.param_to_name = {p: n for n, p in named}
+        self._position = {p: (b, i) for b in self.buckets for i, p in enumerate(b.spec.params)}
+        self.raw_param = dict(named)
+        mesh = dist_index.get_submesh(dist_index.dp_shard_dim or "")
+        self._mesh = mesh
+        self._optimizer_params = [build_optimizer_params(b, mesh) for b in self.buckets]
+        self.sharded_param_of = {
+            raw: dist_p
+            for b, params in zip(self.buckets, self._optimizer_params, strict=True)
+            for raw, dist_p in zip(b.spec.params, params, strict=True)
+        }
+        for dist_p in self.sharded_param_of.values():
+            dist_p._megatron_fsdp_model = self  # type: ignore[attr-defined]
+        self._reduction = GradReduction(
+            None if calculate_per_token_loss else 1.0 / dist_index.get_dp_group().size(),
+            ddp_config.average_in_collective,
+        )
+
+        self.model_auto_sync = False
+        self.set_model_auto_sync(sync_model_each_microbatch)
+        self.is_last_microbatch = True
+        self.microbatch_count = 0
+        self.suggested_AG_prefetch_size = 1  # units gathered ahead; 0 turns prefetch off
+        self._ready: dict[int, set[int]] = {b.bucket_id: set() for b in self.buckets}
+        self._reduced_this_cycle: set[int] = set()
+        self._pending: set[int] = set()
+        self._completed: set[int] = set()
+        self._in_flight: list[Any] = []
+        self._in_backward = False
+        set_state(module, TrainingState.IDLE)
+        self._register_hooks()
+
+    # --- the optimizer's params ---------------------------------------------------------------------
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The optimizer's DTensor params, named as in the wrapped module with a ``module.`` prefix."""
+        for name, raw in self.raw_param.items():
+            yield f"{prefix}{'.' if prefix else ''}module.{name}", self.sharded_param_of[raw]
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """Buffers as usual, params as the optimizer's DTensor shards (``module.``-prefixed; tied aliases
+        map to the same DTensor). Local: no collective runs, so any rank may call it alone."""
+        destination: dict[str, Any] = super().state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", "")
+        keep_vars = kwargs.get("keep_vars", False)
+        for module_name, module in self.module.named_modules():
+            for leaf, raw in module.named_parameters(recurse=False):
+                if raw in self.sharded_param_of:
+                    dist_p = self.sharded_param_of[raw]
+                    key = f"{prefix}module.{module_name}{'.' if module_name else ''}{leaf}"
+                    destination[key] = dist_p if keep_vars else dist_p.detach()
+        return destination
+
+    def get_distributed_index(self) -> FSDPDistributedIndex:
+        return self.dist_index
+
+    # --- forward -----------------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if any(bucket.optimizer_stepped() for bucket in self.buckets):
+            self.install_optimized_model_weights()
+        return self.module(*inputs, **kwargs)
+
+    def _register_hooks(self) -> None:
+        self.module.register_forward_pre_hook(self._root_pre_forward, prepend=True)
+        self.module.register_forward_hook(self._root_post_forward)
+        for unit_id, unit in enumerate(self.units):
+            unit.register_forward_pre_hook(
+                lambda m, a, k, u=unit_id: self._unit_pre_forward(u, a, k), prepend=True, with_kwargs=True
+            )
+            unit.register_forward_hook(lambda m, a, out, u=unit_id: self._unit_post_forward(u, out))
+        for param, name in self.param_to_name.items():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._make_grad_hook(param, name))  # type: ignore[no-untyped-call]
+
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self.sharding.name == "no_shard":
+            return
+        for bucket in self._non_unit_buckets:
+            bucket.launch_gather()
+        self._prefetch(0 if self.units else None)
+        for bucket in self._non_unit_buckets:
+            bucket.wait_gather()
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        on_first_output_grad(output, self._root_pre_backward)
+
+    def _unit_pre_forward(
+        self, unit_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        unit = self.units[unit_id]
+        recomputing = get_state(unit) is TrainingState.PRE_BACKWARD
+        if not recomputing:
+            set_state(unit, TrainingState.FORWARD)
+        self._gather_unit(unit_id, prefetch=None if recomputing else unit_id + 1)
+        if self.sharding.shard_params:
+            return attach_post_backward(args, kwargs, lambda: self._unit_post_backward(unit_id))
+        return None
+
+    def _unit_post_forward(self, unit_id: int, output: Any) -> None:
+        unit = self.units[unit_id]
+        if self.sharding.shard_params and get_state(unit) is not TrainingState.PRE_BACKWARD:
+            for bucket in self._unit_buckets[unit_id]:
+                bucket.release()
+        on_first_output_grad(output, lambda: self._unit_pre_backward(unit_id))
+
+    # --- backward ----------------------------------------------------------------------------------
+    def _root_pre_backward(self) -> None:
+        if self._in_backward:
+            return
+        self._in_backward = True
+        set_state(self.module, TrainingState.PRE_BACKWARD)
+        torch.autograd.Variable._execution_engine.queue_callback(self._root_post_backward)
+
+    def _unit_pre_backward(self, unit_id: int) -> None:
+        set_state(self.units[unit_id], TrainingState.PRE_BACKWARD)
+        self._gather_unit(unit_id, prefetch=unit_id - 1)
+
+    def _unit_post_backward(self, unit_id: int) -> None:
+        set_state(self.units[unit_id], TrainingState.POST_BACKWARD)
+        for bucket in self._unit_buckets[unit_id]:
+            bucket.release()
+
+    def _make_grad_hook(self, param: nn.Parameter, name: str) -> Any:
+        bucket, index = self._locate(param)
+
+        def hook(p: torch.Tensor) -> None:
+            grad = p.grad
+            if grad is None:
+                return
+            if bucket.bucket_id in self._reduced_this_cycle and not self.sharding.shard_grads:
+                raise RuntimeError(
+                    f"MegatronFSDP: a grad of {name!r} arrived after its bucket was already reduced this "
+                    "cycle, and adding it would count earlier microbatches twice. Run all but the last "
+                    "microbatch under no_sync() (or leave model auto-sync off), or call zero_grad_buffer() "
+                    "between optimizer steps."
+                )
+            with torch.no_grad():
+                bucket.accumulate(index, grad)
+            p.grad = None
+            ready = self._ready[bucket.bucket_id]
+            ready.add(index)
+            if len(ready) == len(bucket.spec.params):
+                self._bucket_complete(bucket)
+
+        return hook
+
+    def _locate(self, param: nn.Parameter) -> tuple[FlatParamBucket, int]:
+        return self._position[param]
+
+    def _reduces_now(self) -> bool:
+        if self.sharding.reduces_every_backward:
+            return True
+        return self.ddp_config.overlap_grad_reduce and (self.is_last_microbatch or self.model_auto_sync)
+
+    def _bucket_complete(self, bucket: FlatParamBucket) -> None:
+        self._ready[bucket.bucket_id] = set()
+        self._completed.add(bucket.bucket_id)
+        if self._reduces_now():
+            self._launch_reduce(bucket)
+        else:
+            self._pending.add(bucket.bucket_id)
+
+    def _launch_reduce(self, bucket: FlatParamBucket) -> None:
+        self._pending.discard(bucket.bucket_id)
+        if not self.sharding.shard_grads:
+            self._reduced_this_cycle.add(bucket.bucket_id)
+        self._in_flight.append(bucket.launch_reduce(self._reduction, self.ddp_config.check_for_nan_in_grad))
+
+    def _root_post_backward(self) -> None:
+        """End of the backward: every grad bucket not completed by its hooks (some param got no grad on
+        this rank) completes now, in bucket order so every rank posts the same collectives; then all
+        reductions are waited and ZeRO-3 drops every gathered weight."""
+        for bucket in self.buckets:
+            done = bucket.bucket_id in self._completed or bucket.bucket_id in self._reduced_this_cycle
+            if bucket.spec.requires_grad and not done:
+                self._bucket_complete(bucket)
+        self._completed.clear()
+        self._wait_reductions()
+        if self.sharding.shard_params:
+            for bucket in self.buckets:
+                bucket.release()
+        set_state(self.module, TrainingState.IDLE)
+        self._in_backward = False
+        self.microbatch_count += 1
+        if self.model_auto_sync:
+            self.finish_grad_sync()
+
+    def _wait_reductions(self) -> None:
+        in_flight, self._in_flight = self._in_flight, []
+        for launched in in_flight:
+            launched.wait()
+
+    # --- gathers -----------------------------------------------------------------------------------
+    def _gather_unit(self, unit_id: int, prefetch: int | None) -> None:
+        for bucket in self._unit_buckets[unit_id]:
+            bucket.launch_gather()
+        self._prefetch(prefetch)
+        for bucket in self._unit_buckets[unit_id]:
+            bucket.wait_gather()
+
+    def _prefetch(self, unit_id: int | None) -> None:
+        if unit_id is None or self.suggested_AG_prefetch_size <= 0 or not 0 <= unit_id < len(self.units):
+            return
+        for bucket in self._unit_buckets[unit_id]:
+            bucket.launch_gather()
+
+    def all_gather_and_wait_parameters_ready(
+        self,
+        params: Sequence[nn.Parameter],
+        prefetch: bool = True,
+        prefetch_order: PrefetchOrder = PrefetchOrder.FORWARD_PASS_ORDER,
+        wait_bucket_ready: bool = True,
+    ) -> None:
+        """Gather the compute weights of ``params`` (and, with ``prefetch``, the next unit in
+        ``prefetch_order``), waiting for them when ``wait_bucket_ready``."""
+        buckets = sorted({self._locate(p)[0].bucket_id for p in params})
+        for bucket_id in buckets:
+            self.buckets[bucket_id].launch_gather()
+        if prefetch and buckets:
+            unit_ids = [u for b in buckets if (u := self.buckets[b].spec.unit_id) is not None]
+            if unit_ids:
+                forward = prefetch_order is PrefetchOrder.FORWARD_PASS_ORDER
+                self._prefetch(max(unit_ids) + 1 if forward else min(unit_ids) - 1)
+        if wait_bucket_ready:
+            for bucket_id in buckets:
+                self.buckets[bucket_id].wait_gather()
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
+        """Start the gathers that bring the optimizer's update to every replica (ZeRO-1/2), or prefetch
+        the first weights (ZeRO-3); wait for them when ``force_sync`` or ``overlap_param_gather`` is off."""
+        if self.sharding.name == "no_shard":
+            return
+        stale = [b for b in self.buckets if b.status is BucketStatus.EMPTY]
+        if self.sharding.shard_params and not force_sync:
+            stale = self._non_unit_buckets + (self._unit_buckets[0] if self.units else [])
+        for bucket in stale:
+            bucket.launch_gather()
+        if force_sync or not self.ddp_config.overlap_param_gather:
+            for bucket in stale:
+                bucket.wait_gather()
+
+    def synchronize_param_gather(self) -> None:
+        """Finish every gather in flight; ZeRO-3 then drops all gathered weights."""
+        for bucket in self.buckets:
+            if bucket.status is BucketStatus.COMMUNICATING:
+                bucket.wait_gather()
+            if self.sharding.shard_params:
+                bucket.release()
+
+    # --- the step ----------------------------------------------------------------------------------
+    def start_grad_sync(self, *unused: Any) -> None:
+        """Reduce grads that wait for the end of the cycle (no_shard / optim)."""
+        for bucket in self.buckets:
+            if bucket.bucket_id in self._pending:
+                self._launch_reduce(bucket)
+
+    def synchronize_gradient_reduce(self) -> None:
+        """Launch pending reductions and wait for every reduction in flight."""
+        self.start_grad_sync()
+        self._wait_reductions()
+
+    def attach_grad_to_optimizer_state(self) -> None:
+        """Give the optimizer's params their reduced grads."""
+        for bucket, params in zip(self.buckets, self._optimizer_params, strict=True):
+            if bucket.spec.requires_grad:
+                attach_grads(bucket, params, self._mesh)
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Every grad of the cycle reduced exactly once, then attached to the optimizer's params."""
+        self.synchronize_gradient_reduce()
+        self.attach_grad_to_optimizer_state()
+        self.microbatch_count = 0
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        for bucket in self.buckets:
+            if bucket.grad is not None:
+                bucket.grad.mul_(scaling_factor)
+        self.attach_grad_to_optimizer_state()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero the grad buffers and drop the optimizer params' grads; call once per optimizer step."""
+        self._wait_reductions()
+        for bucket in self.buckets:
+            bucket.zero_grad()
+        for params in self._optimizer_params:
+            for param in params:
+                param.grad = None
+        self._reduced_this_cycle.clear()
+        self._pending.clear()
+
+    def install_optimized_model_weights(self) -> None:
+        """Copy the optimizer's updated weights into the compute weights; ZeRO-1/2 replicas are gathered
+        at the next forward, or now when ``overlap_param_gather`` is off."""
+        for bucket in self.buckets:
+            bucket.install_main_weights()
+        if not self.ddp_config.overlap_param_gather:
+            self.start_param_sync(force_sync=True)
+
+    def broadcast_params(self) -> None:
+        """Make every rank's weights DP rank 0's: gather each bucket whole, broadcast it, re-shard."""
+        group = self.dist_index.get_fsdp_group()
+        src = dist.get_global_rank(group, 0)
+        for bucket in self.buckets:
+            bucket.wait_gather()
+            dist.broadcast(bucket.weight, src=src, group=group)
+            bucket.reset_from_weights()
+            if self.sharding.shard_params:
+                bucket.release()
+
+    # --- gradient accumulation -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Defer the once-per-cycle reductions (no_shard / optim) to the last microbatch, run outside this
+        context. ZeRO-2/3 still reduce-scatter every backward and accumulate in the shard."""
+        previous, self.is_last_microbatch = self.is_last_microbatch, False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = previous
+
+    @contextlib.contextmanager
+    def sync(self) -> Iterator[None]:
+        """Reduce and finish the grad sync at the end of every backward inside this context."""
+        previous = self.model_auto_sync
+        self.set_model_auto_sync(True)
+        try:
+            yield
+        finally:
+            self.set_model_auto_sync(previous)
+
+    def set_model_auto_sync(self, sync_model: bool = True) -> None:
+        """With auto-sync every backward reduces and ends with ``finish_grad_sync()``."""
+        self.model_auto_sync = sync_model
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for tensor in module.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _policy_from_config(config: DistributedDataParallelConfig) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(
+        main_params_dtype=config.megatron_fsdp_main_params_dtype,
+        main_grads_dtype=config.megatron_fsdp_main_grads_dtype,
+        grad_comm_dtype=config.megatron_fsdp_grad_comm_dtype,
+    )

@@ -1,0 +1,67 @@
+"""The optimizer's view of a sharded model: one dim-0 DTensor per param over the shard mesh.
+
+Each DTensor's local tensor is a view of its bucket's main weights (or compute weights), so the
+optimizer's in-place updates land in the flat buffers. Shards are uneven, and a rank may own no rows of
+a param: the DTensor carries the param's global shape explicitly. ``no_shard`` params are ``Replicate``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .bucket import FlatParamBucket
+
+# Attributes Megatron and gradsync-finalize read off params, carried over to the optimizer's params.
+CARRIED_ATTRIBUTES = (
+    "sequence_parallel",
+    "shared",
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "is_embedding_or_output_parameter",
+    "is_embedding_parameter",
+    "shared_embedding",
+    "average_gradients_across_tp_domain",
+)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
+
+
+def as_dtensor(local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size, sharded: bool) -> DTensor:
+    placement = Shard(0) if sharded else Replicate()
+    return DTensor.from_local(
+        local, mesh, [placement], run_check=False, shape=shape, stride=_contiguous_stride(shape)
+    )
+
+
+def build_optimizer_params(bucket: FlatParamBucket, mesh: DeviceMesh) -> list[nn.Parameter]:
+    """One DTensor parameter per param of ``bucket``, viewing the optimizer's part of the buffers."""
+    source, base = bucket.optimizer_source()
+    params = []
+    for index, raw in enumerate(bucket.spec.params):
+        local = bucket.local_view(source, base, index)
+        dtensor = as_dtensor(local, mesh, raw.shape, bucket.sharding.shard_main)
+        param = nn.Parameter(dtensor, requires_grad=raw.requires_grad)
+        for name in CARRIED_ATTRIBUTES:
+            if hasattr(raw, name):
+                setattr(param, name, getattr(raw, name))
+        params.append(param)
+    return params
+
+
+def attach_grads(bucket: FlatParamBucket, params: list[nn.Parameter], mesh: DeviceMesh) -> None:
+    """Give each optimizer param its reduced grad (a view when dtypes match, else a cast copy); None
+    where this rank owns no rows, so the optimizer skips it."""
+    for index, param in enumerate(params):
+        local = bucket.grad_view(index)
+        if local is None or not param.requires_grad:
+            param.grad = None
+            continue
+        if local.dtype != param.dtype:
+            local = local.to(param.dtype)
+        param.grad = as_dtensor(local, mesh, param.shape, bucket.sharding.shard_main)

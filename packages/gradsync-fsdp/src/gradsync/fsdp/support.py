@@ -1,0 +1,102 @@
+"""Which config fields MegatronFSDP honours; the rest are refused by name before any collective.
+
+CUDA-only features are refused off CUDA/NCCL with ValueError; features not built yet (allocators, HSDP,
+meta-device init, fp8) raise NotImplementedError naming the field, instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gradsync.buffers import DistributedDataParallelConfig, non_default_fields
+from gradsync.groups import FSDPDistributedIndex, get_backend_capabilities
+
+CUDA_ONLY_FIELDS = (
+    "nccl_ub",
+    "fsdp_manual_registration",
+    "disable_symmetric_registration",
+    "fp8_param_gather",
+    "fp4_param_gather",
+    "reuse_grad_buf_for_mxfp8_param_ag",
+    "keep_fp8_transpose_cache",
+    "megatron_fsdp_cuda_graph_mode",
+)
+"""NCCL user buffers, Transformer Engine fp8/fp4 and CUDA graphs: CUDA with NCCL only."""
+
+NOT_YET_FIELDS = (
+    "fsdp_double_buffer",
+    "fsdp_db_use_persist_buf_on_alloc_fail",
+    "megatron_fsdp_max_pool_double_buffer",
+    "outer_dp_sharding_strategy",
+    "megatron_fsdp_use_decoupled_grad",
+    "megatron_fsdp_enable_fine_grained_param_gather",
+    "num_distributed_optimizer_instances",
+    "delay_wgrad_compute",
+)
+"""Megatron-FSDP features gradsync-fsdp does not provide yet."""
+
+DDP_ONLY_FIELDS = (
+    "use_distributed_optimizer",
+    "align_param_gather",
+    "pad_buckets_for_high_nccl_busbw",
+    "reduce_scatter_with_fp32_accumulation",
+    "check_for_large_grads",
+    "param_name_patterns_for_fp32_local_accumulation",
+    "num_buckets",
+)
+"""Fields only the DDP wrapper reads."""
+
+
+def refuse_unsupported(
+    config: DistributedDataParallelConfig,
+    dist_index: FSDPDistributedIndex,
+    device: torch.device,
+    init_model_with_meta_device: bool,
+) -> None:
+    """Raise, naming the field and the fix, for anything MegatronFSDP would otherwise ignore."""
+    group = dist_index.get_fsdp_group()
+    on_cuda_nccl = device.type == "cuda" and get_backend_capabilities(group, device).userbuffers
+    for name in non_default_fields(config, CUDA_ONLY_FIELDS):
+        if not on_cuda_nccl:
+            raise ValueError(
+                f"MegatronFSDP: {name}={getattr(config, name)!r} needs CUDA tensors on an NCCL group, but "
+                f"the model is on {device.type} with backend {dist.get_backend(group)!r}; set it back to "
+                "its default"
+            )
+        raise NotImplementedError(f"MegatronFSDP: {name} is not implemented by gradsync-fsdp yet")
+    for name in non_default_fields(config, NOT_YET_FIELDS):
+        raise NotImplementedError(
+            f"MegatronFSDP: {name}={getattr(config, name)!r} is not implemented by gradsync-fsdp yet; set it "
+            "back to its default"
+        )
+    ignored = non_default_fields(config, DDP_ONLY_FIELDS)
+    if ignored:
+        values = ", ".join(f"{name}={getattr(config, name)!r}" for name in ignored)
+        raise ValueError(
+            f"MegatronFSDP: {values} only configure gradsync-ddp's DistributedDataParallel and would be "
+            "ignored here; leave them at their defaults"
+        )
+    if init_model_with_meta_device:
+        raise NotImplementedError("MegatronFSDP: init_model_with_meta_device is not implemented yet")
+    if dist_index.use_hybrid_fsdp:
+        raise NotImplementedError(
+            "MegatronFSDP: hybrid sharding (dist_index with dp_outer_dim) is not implemented yet"
+        )
+    _check_index_matches_world(dist_index, device)
+
+
+def _check_index_matches_world(dist_index: FSDPDistributedIndex, device: torch.device) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = dist_index.device_mesh
+    if world % mesh.size() or rank not in mesh.mesh.flatten().tolist():
+        raise ValueError(
+            f"MegatronFSDP: dist_index's device mesh {mesh.mesh.tolist()} does not fit the world of {world} "
+            f"ranks around rank {rank}; build it over this job's ranks (FSDPDistributedIndex.from_sizes or "
+            "FSDPDistributedIndex.from_group)"
+        )
+    if mesh.device_type != device.type:
+        raise ValueError(
+            f"MegatronFSDP: dist_index's mesh is for {mesh.device_type!r} devices but the model is on "
+            f"{device}; build the mesh with device_type={device.type!r}"
+        )

@@ -1,0 +1,188 @@
+"""A tiny transformer (tied embedding, two Block units) and the training loops the FSDP tests share.
+Spawned ranks import this module, so everything stays at module level. Models and batches are drawn on
+the CPU, then moved to the harness device, so every rank and the reference start from the same values."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.fsdp import MegatronFSDP, MixedPrecisionPolicy
+from gradsync.groups import FSDPDistributedIndex
+from gradsync.groups.testing import test_device
+
+VOCAB, DIM, SEQ, MICRO_ROWS, LAYERS = 24, 12, 6, 2, 2
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+class Block(nn.Module):
+    """One FSDP unit: layernorm, a two-layer MLP with odd widths (uneven shards), a gated residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 3 * DIM + 1)
+        self.down = nn.Linear(3 * DIM + 1, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, seed: int = 0, checkpoint: str | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embedding = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embedding.weight  # tied
+        self.checkpoint = checkpoint
+        self.to(test_device())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            if self.checkpoint is not None:  # "reentrant" or "non_reentrant" activation checkpointing
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.checkpoint == "reentrant")
+            else:
+                x = block(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def global_batch(step: int, world: int, micro: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(2000 + step)
+    tokens = torch.randint(0, VOCAB, (world * micro * MICRO_ROWS, SEQ), generator=generator)
+    return tokens.to(test_device())
+
+
+def local_microbatches(step: int, rank: int, world: int, micro: int) -> list[torch.Tensor]:
+    rows = global_batch(step, world, micro)[rank * micro * MICRO_ROWS : (rank + 1) * micro * MICRO_ROWS]
+    return list(rows.split(MICRO_ROWS))
+
+
+def make_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
+
+
+def reference_training(
+    world: int, micro: int, steps: int, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """One process, the whole global batch every step. bf16: fp32 main weights stepped with fp32 grads,
+    copied back to the bf16 compute weights, as MegatronFSDP's mixed-precision recipe does."""
+    model = TinyTransformer().to(dtype)
+    params = list(model.parameters())
+    mains = [nn.Parameter(p.detach().float()) for p in params] if dtype != torch.float32 else params
+    optimizer = make_optimizer(mains)
+    for step in range(steps):
+        optimizer.zero_grad()
+        model.zero_grad()
+        for batch in global_batch(step, world, micro).split(world * MICRO_ROWS):
+            (model(batch) / micro).backward()
+        for main, param in zip(mains, params, strict=True):
+            if main is not param:
+                assert param.grad is not None
+                main.grad = param.grad.float()
+        optimizer.step()
+        with torch.no_grad():
+            for main, param in zip(mains, params, strict=True):
+                if main is not param:
+                    param.copy_(main)
+    return named_weights(model)
+
+
+def shard_index() -> FSDPDistributedIndex:
+    return FSDPDistributedIndex.from_sizes(dist.get_world_size(), device_type=test_device().type)
+
+
+def wrap(
+    strategy: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    checkpoint: str | None = None,
+    units: bool = True,
+    main_grads_dtype: torch.dtype | None = None,
+    **config: Any,
+) -> MegatronFSDP:
+    ddp_config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=strategy,
+        overlap_grad_reduce=config.pop("overlap_grad_reduce", True),
+        overlap_param_gather=config.pop("overlap_param_gather", True),
+        **config,
+    )
+    model = TinyTransformer(checkpoint=checkpoint).to(dtype)
+    return MegatronFSDP(
+        model,
+        shard_index(),
+        ddp_config,
+        fsdp_unit_modules=[Block] if units else None,
+        mixed_precision_policy=MixedPrecisionPolicy(torch.float32, main_grads_dtype),
+    )
+
+
+@dataclass
+class Trainer:
+    model: MegatronFSDP
+    optimizer: torch.optim.Optimizer
+
+    @classmethod
+    def build(cls, strategy: str, **kwargs: Any) -> Trainer:
+        model = wrap(strategy, **kwargs)
+        return cls(model, make_optimizer(model.parameters()))
+
+    def step(self, step: int, micro: int, accumulation: str = "no_sync") -> None:
+        """One optimizer step over ``micro`` microbatches, all but the last under no_sync(); the last runs
+        plainly (``no_sync``), inside sync() (``sync``), with auto-sync switched on (``auto``) or under
+        no_sync() too (``deferred``: finish_grad_sync must reduce what the cycle left)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        batches = local_microbatches(step, rank, world, micro)
+        for batch in batches[:-1]:
+            with self.model.no_sync():
+                (self.model(batch) / micro).backward()
+        last = batches[-1]
+        if accumulation == "sync":
+            with self.model.sync():
+                (self.model(last) / micro).backward()
+        elif accumulation == "auto":
+            self.model.set_model_auto_sync(True)
+            (self.model(last) / micro).backward()
+            self.model.set_model_auto_sync(False)
+        elif accumulation == "deferred":
+            with self.model.no_sync():
+                (self.model(last) / micro).backward()
+        else:
+            (self.model(last) / micro).backward()
+        self.model.finish_grad_sync()
+        self.optimizer.step()
+        self.model.install_optimized_model_weights()
+
+
+def full_weights(model: MegatronFSDP) -> dict[str, torch.Tensor]:
+    """The compute weights as a forward would see them, gathered whole, by their module names."""
+    raw = list(model.module.parameters())
+    model.all_gather_and_wait_parameters_ready(raw, prefetch=False)
+    weights = named_weights(model.module)
+    model.synchronize_param_gather()
+    return weights
+
+
+def max_relative_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert got.keys() == want.keys()
+    a = torch.cat([got[k].reshape(-1) for k in want])
+    b = torch.cat([want[k].reshape(-1) for k in want])
+    return float((a - b).abs().max() / b.abs().max().clamp_min(math.ulp(1.0)))

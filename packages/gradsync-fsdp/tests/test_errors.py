@@ -1,0 +1,109 @@
+"""Bad input is refused at construction, before any collective, naming the field and the fix; misuse
+during training raises instead of corrupting grads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from fsdp_testkit import Block, TinyTransformer, local_microbatches, shard_index, wrap
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.fsdp import MegatronFSDP, fully_shard_optimizer
+from gradsync.groups import FSDPDistributedIndex
+from gradsync.groups.testing import run_distributed
+
+
+def config(**fields: object) -> DistributedDataParallelConfig:
+    return DistributedDataParallelConfig(use_megatron_fsdp=True, **fields)  # type: ignore[arg-type]
+
+
+def refused(units: object = None, **fields: object) -> str:
+    with pytest.raises((ValueError, NotImplementedError)) as caught:
+        MegatronFSDP(TinyTransformer(), shard_index(), config(**fields), fsdp_unit_modules=units)  # type: ignore[arg-type]
+    return str(caught.value)
+
+
+def construction_errors() -> None:
+    assert "data_parallel_sharding_strategy='zero3'" in refused(data_parallel_sharding_strategy="zero3")
+    assert "optim_grads_params" in refused(data_parallel_sharding_strategy="zero3")
+    assert "matches no module" in refused(units=[nn.Conv1d])
+    assert "does not import" in refused(units=["no_such_package.Block"])
+    assert "nccl_ub=True needs CUDA" in refused(nccl_ub=True)
+    assert "fp8_param_gather=True needs CUDA" in refused(fp8_param_gather=True)
+    assert "fsdp_double_buffer" in refused(fsdp_double_buffer=True)
+    assert "use_distributed_optimizer=True" in refused(use_distributed_optimizer=True)
+
+
+def test_bad_config_and_units_are_named() -> None:
+    run_distributed(construction_errors, 2)
+
+
+class SharedInsideTwoUnits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Block(), Block()
+        self.b.up.weight = self.a.up.weight
+
+
+def param_in_two_units() -> None:
+    with pytest.raises(
+        ValueError, match=r"'up.weight' of FSDP unit #0 \(Block\) is also reached from unit #1"
+    ):
+        MegatronFSDP(SharedInsideTwoUnits(), shard_index(), config(), fsdp_unit_modules=[Block])
+
+
+def test_a_param_in_two_units_is_refused() -> None:
+    run_distributed(param_in_two_units, 2)
+
+
+def models_differ() -> None:
+    model = TinyTransformer()
+    if dist.get_rank() == 1:
+        model.extra = nn.Linear(2, 2)
+    with pytest.raises(
+        ValueError, match="MegatronFSDP: the model differs between data-parallel ranks 0 and 1"
+    ):
+        MegatronFSDP(model, shard_index(), config())
+
+
+def test_models_that_differ_across_ranks_are_refused_on_every_rank() -> None:
+    run_distributed(models_differ, 2)
+
+
+def index_outside_the_world() -> None:
+    only_rank_0 = dist.new_group([0])
+    if dist.get_rank() == 0:
+        return
+    mesh = DeviceMesh("cpu", [0], mesh_dim_names=("dp_shard",), _init_backend=False)
+    index = FSDPDistributedIndex.__new__(FSDPDistributedIndex)
+    index.device_mesh, index.use_hybrid_fsdp, index.fsdp_group = mesh, False, only_rank_0
+    with pytest.raises(ValueError, match="does not fit the world"):
+        MegatronFSDP(TinyTransformer(), index, config())
+
+
+def test_a_dist_index_that_does_not_cover_this_rank_is_refused() -> None:
+    run_distributed(index_outside_the_world, 2)
+
+
+def accumulate_after_reduction() -> None:
+    model = wrap("no_shard")
+    batch = local_microbatches(0, dist.get_rank(), 2, 1)[0]
+    model(batch).backward()  # outside no_sync: reduced at the end of this backward
+    with pytest.raises(RuntimeError, match="already reduced this cycle"):
+        model(batch).backward()
+
+
+def test_grads_added_after_the_reduction_raise() -> None:
+    run_distributed(accumulate_after_reduction, 2)
+
+
+def foreign_optimizer() -> None:
+    with pytest.raises(ValueError, match="not MegatronFSDP's"):
+        fully_shard_optimizer(torch.optim.SGD(TinyTransformer().parameters(), lr=0.1))
+
+
+def test_fully_shard_optimizer_refuses_an_optimizer_on_other_params() -> None:
+    run_distributed(foreign_optimizer, 1)
