@@ -1,15 +1,17 @@
-"""Every strategy on every layout equals the single-process reference: the loss at every step and the
-final params (TP shards concatenated, pipeline stages and experts merged, the tied copy equal to wte)."""
+"""Every strategy on every layout it supports equals the single-process reference: the loss at every step
+and the final params (TP shards concatenated, pipeline stages and experts merged, the tied copy equal to
+wte); and every FSDP strategy equals gradsync-ddp's run of the same model and data."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
 from parity import FULL_LAYOUTS, LAYOUTS, options, reference, reference_key
 from toygpt.full_state import TIED_COPY_KEY
-from toygpt.strategies import STRATEGIES
+from toygpt.strategies import STRATEGIES, supports
 from train import Options, RunResult, run
 
 from gradsync.groups.testing import run_distributed
@@ -48,15 +50,42 @@ def check_against_reference(world: int, opts: Options, loss_tolerance: float, pa
         assert difference <= param_tolerance, f"{name}: relative difference {difference:.2e}"
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-@pytest.mark.parametrize("layout", list(CASES))
+def runnable(layouts: dict[str, tuple[int, dict[str, object]]]) -> list[tuple[str, str]]:
+    return [(layout, name) for layout, (_, o) in layouts.items() for name in STRATEGIES if supports(name, o)]
+
+
+@pytest.mark.parametrize(("layout", "strategy"), runnable(CASES))
 def test_matches_single_process(layout: str, strategy: str) -> None:
     world, overrides = CASES[layout]
     check_against_reference(world, options(strategy, overrides), LOSS_TOLERANCE, PARAM_TOLERANCE)
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-@pytest.mark.parametrize("layout", list(BF16_LAYOUTS))
+FSDP_STRATEGIES = [name for name, s in STRATEGIES.items() if s.wrapper == "fsdp"]
+
+
+@functools.lru_cache(maxsize=4)
+def ddp_run(layout: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    world, overrides = LAYOUTS[layout]
+    losses, params = run_distributed(train_and_collect, world, args=(options("ddp", overrides),))[0]
+    assert params is not None
+    return losses, params
+
+
+@pytest.mark.parametrize("strategy", FSDP_STRATEGIES)
+@pytest.mark.parametrize("layout", ["dp2", "dp2xtp2-sp"])
+def test_fsdp_equals_ddp(layout: str, strategy: str) -> None:
+    world, overrides = LAYOUTS[layout]
+    losses, params = run_distributed(train_and_collect, world, args=(options(strategy, overrides),))[0]
+    ddp_losses, ddp_params = ddp_run(layout)
+    assert params is not None
+    for step, (got, want) in enumerate(zip(losses, ddp_losses, strict=True), start=1):
+        assert abs(got - want) <= LOSS_TOLERANCE * abs(want), f"step {step}: {got} != ddp's {want}"
+    for name, want in ddp_params.items():
+        difference = float((params[name] - want).abs().max()) / max(float(want.abs().max()), INIT_STD)
+        assert difference <= PARAM_TOLERANCE, f"{name}: relative difference to ddp {difference:.2e}"
+
+
+@pytest.mark.parametrize(("layout", "strategy"), runnable(BF16_LAYOUTS))
 def test_bf16_matches_single_process_with_the_same_recipe(layout: str, strategy: str) -> None:
     """bf16 weights, grads reduced in fp32 and fp32 main params, against one process running that recipe:
     TP with sequence-parallel layernorm sums, and the tied embedding summed across pipeline stages."""

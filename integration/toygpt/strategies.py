@@ -1,8 +1,8 @@
 """The training strategies, by name: one entry each.
 
-A strategy names the wrapper that implements it and the config options it sets. gradsync-ddp's wrapper
-is registered here; gradsync-fsdp's strategies (no_shard, optim, optim_grads, optim_grads_params, hsdp)
-will each be one more entry once its wrapper is registered in ``WRAPPERS``.
+A strategy names the wrapper that implements it and the config options it sets: gradsync-ddp's
+DistributedDataParallel (with or without its DistributedOptimizer) or gradsync-fsdp's MegatronFSDP with one
+of its four sharding strategies, each transformer block an FSDP unit.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from torch import nn
 
 from gradsync.buffers import DistributedDataParallelConfig
 from gradsync.ddp import DistributedDataParallel, DistributedOptimizer
+from gradsync.fsdp import FSDPDistributedIndex, MegatronFSDP, MixedPrecisionPolicy, fully_shard_optimizer
 from gradsync.groups import ProcessGroupCollection
+
+from .model import Block
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -51,8 +54,25 @@ STRATEGIES: dict[str, Strategy] = {
             "ddp",
             {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True},
         ),
+        *(
+            Strategy(f"fsdp-{name}", summary, "fsdp", {"data_parallel_sharding_strategy": name})
+            for name, summary in (
+                ("no_shard", "MegatronFSDP, nothing sharded: all-reduce once per step"),
+                ("optim", "MegatronFSDP ZeRO-1: optimizer state sharded, grads reduce-scattered per step"),
+                ("optim_grads", "MegatronFSDP ZeRO-2: grads reduce-scattered after every backward too"),
+                ("optim_grads_params", "MegatronFSDP ZeRO-3: weights gathered per block and released"),
+            )
+        ),
     )
 }
+
+
+def supports(name: str, layout: Mapping[str, Any]) -> bool:
+    """Whether strategy ``name`` can run a layout's options: MegatronFSDP has no pipeline parallelism (as
+    in the reference) and no expert sharding yet."""
+    if STRATEGIES[name].wrapper != "fsdp":
+        return True
+    return int(layout.get("pp", 1)) == 1 and not layout.get("moe", False)
 
 
 @dataclass
@@ -62,6 +82,7 @@ class Wrapped:
     model: Any
     optimizer: Any
     sharded_optimizer: bool
+    checkpointable = True
 
     def settle_params(self) -> None:
         """Finish any param all-gather still deferred to the next forward, so the params are current."""
@@ -72,6 +93,17 @@ class Wrapped:
     def comm_bytes(self) -> int:
         """Payload this rank handed to grad/param collectives since the last zero_grad_buffer."""
         return sum(group.stats.total_bytes for group in self.model.grad_buffers.all_bucket_groups)
+
+
+class FSDPWrapped(Wrapped):
+    checkpointable = False  # sharded checkpoints come with gradsync-fsdp's checkpoint support
+
+    def settle_params(self) -> None:
+        """Gather every weight whole (ZeRO-3 keeps them until the next forward), so the params are current."""
+        self.model.all_gather_and_wait_parameters_ready(list(self.model.module.parameters()), prefetch=False)
+
+    def comm_bytes(self) -> int:
+        return int(self.model.communicated_bytes())
 
 
 def _wrap_ddp(
@@ -94,7 +126,43 @@ def _wrap_ddp(
     return Wrapped(model, optimizer, sharded_optimizer=False)
 
 
-WRAPPERS = {"ddp": _wrap_ddp}
+def _wrap_fsdp(
+    strategy: Strategy,
+    stage: nn.Module,
+    groups: ProcessGroupCollection,
+    make_optimizer: OptimizerFactory,
+    bucket_size: int | None,
+    bf16: bool,
+) -> Wrapped:
+    """Each block an FSDP unit, sharded over the data-parallel group; bf16 weights get fp32 main weights
+    and fp32 main grads, as the DDP strategies' recipe. The optimizer's step installs the weights."""
+    if groups.pp is not None and groups.pp.size() > 1:
+        raise ValueError(f"{strategy.name}: MegatronFSDP does not support pipeline parallelism; use --pp 1")
+    if any(getattr(p, "allreduce", True) is False for p in stage.parameters()):
+        raise ValueError(f"{strategy.name}: MegatronFSDP does not shard expert params yet; drop --moe")
+    assert groups.dp_cp is not None
+    config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        bucket_size=bucket_size,
+        **strategy.options,
+    )
+    policy = MixedPrecisionPolicy(torch.float32, torch.float32 if bf16 else None)
+    model = MegatronFSDP(
+        stage,
+        FSDPDistributedIndex.from_group(groups.dp_cp),
+        config,
+        fsdp_unit_modules=[Block],
+        mixed_precision_policy=policy,
+    )
+    optimizer = fully_shard_optimizer(make_optimizer(model.parameters()))
+    return FSDPWrapped(
+        model, optimizer, sharded_optimizer=strategy.options["data_parallel_sharding_strategy"] != "no_shard"
+    )
+
+
+WRAPPERS = {"ddp": _wrap_ddp, "fsdp": _wrap_fsdp}
 
 
 def wrap(

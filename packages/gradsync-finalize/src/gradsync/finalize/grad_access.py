@@ -1,8 +1,11 @@
 """Reading and writing a param's gradient the way every wrapper stores it.
 
 DDP-style wrappers keep the grad in ``main_grad`` (used when the attribute exists, even if None); others
-use ``.grad``. FSDP grads may be DTensors: they are reduced as full tensors and redistributed to their
-original placements, so the reductions here never see a shard.
+use ``.grad``. FSDP grads are DTensor shards (MegatronFSDP's uneven dim-0 shards among them, which no
+DTensor redistribution reads correctly): their local shard is reduced in place. That is right for the
+groups finalize reduces over TP-duplicated params with, whose ranks hold the same modules and therefore
+the same shard layout; the pipeline embedding reduction, whose two stages hold different models, refuses
+sharded grads instead.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from gradsync.groups import get_backend_capabilities
 
@@ -21,15 +24,15 @@ def grad_attribute(param: torch.Tensor) -> str:
 
 
 def read_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """The full (unsharded) gradient of ``param``, or None."""
+    """The gradient of ``param`` (its local shard for a DTensor), or None."""
     grad = getattr(param, grad_attribute(param))
     if isinstance(grad, DTensor):
-        return grad.full_tensor()
+        return grad.to_local()
     return grad  # type: ignore[no-any-return]
 
 
 def write_grad(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Store a reduced full gradient back, in place for plain tensors, redistributed for DTensors.
+    """Store a reduced gradient back in place (into the local shard of a DTensor).
 
     A wrapper whose ``main_grad`` cannot be the optimizer-facing grad (bf16 params with fp32 main grads)
     keeps ``.grad`` as a copy in the param dtype: that copy is refreshed too, so an optimizer stepping on
@@ -38,8 +41,8 @@ def write_grad(param: torch.Tensor, full: torch.Tensor) -> None:
     attribute = grad_attribute(param)
     original = getattr(param, attribute)
     if isinstance(original, DTensor):
-        setattr(param, attribute, distribute_tensor(full, original.device_mesh, original.placements))
-    elif original.data_ptr() != full.data_ptr():
+        original = original.to_local()
+    if original.data_ptr() != full.data_ptr():
         original.copy_(full)
     copy = param.grad if attribute == "main_grad" else None
     if copy is not None and not isinstance(copy, DTensor) and copy.data_ptr() != original.data_ptr():

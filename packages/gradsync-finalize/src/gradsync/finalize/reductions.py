@@ -120,8 +120,16 @@ def allreduce_word_embedding_grads(
         config, "mtp_num_layers", None
     )
     weight = owner.shared_embedding_or_output_weight() if tied else None
-    if weight is None or read_grad(weight) is None:
-        return  # untied, or a frozen embedding
+    if weight is None:
+        return  # untied
+    if getattr(chunk, "data_parallel_sharding_strategy", None) is not None:
+        raise NotImplementedError(
+            "finalize_model_grads: a word embedding tied across pipeline stages under MegatronFSDP: the two "
+            "stages shard different models, so their grad shards do not line up (Megatron-FSDP does not "
+            "support pipeline parallelism either). Use gradsync-ddp with pipeline parallelism."
+        )
+    if read_grad(weight) is None:
+        return  # a frozen embedding
     ddp_config = getattr(chunk, "ddp_config", None)
     if getattr(ddp_config, "use_distributed_optimizer", False) and not getattr(
         weight, "shared_embedding", False

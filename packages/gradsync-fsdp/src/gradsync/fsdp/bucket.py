@@ -94,6 +94,7 @@ class FlatParamBucket:
                 for param, item in zip(spec.params, self.layout.items, strict=True):
                     param.main_grad = self._item_view(self.grad, 0, item.offset, item.end, item.shape)  # type: ignore[attr-defined]
         self.status = BucketStatus.READY_TO_USE
+        self.communicated_bytes = 0
         self._gather: Launched | None = None
         self._installed_version = self.optimizer_source()[0]._version
         if sharding.shard_params:
@@ -155,6 +156,7 @@ class FlatParamBucket:
             self.weight.untyped_storage().resize_(self.layout.size * self.weight.element_size())
             self.weight[self.shard_lo : self.shard_hi].copy_(self.weight_shard)
         self._gather = all_gather_shards(self.weight, self.group)
+        self.communicated_bytes += self.weight.numel() * self.weight.element_size()
         self.status = BucketStatus.COMMUNICATING
 
     def wait_gather(self) -> None:
@@ -236,6 +238,7 @@ class FlatParamBucket:
         else:
             launched = reduce_scatter(wire, self.group, average=reduction.average)
         launched.after.append(lambda: self._finish_reduce(wire))
+        self.communicated_bytes += wire.numel() * wire.element_size()
         return launched
 
     def _finish_reduce(self, wire: torch.Tensor) -> None:

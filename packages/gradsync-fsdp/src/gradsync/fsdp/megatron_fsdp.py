@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from gradsync.buffers import DistributedDataParallelConfig, check_params_match_across_ranks
 from gradsync.groups import FSDPDistributedIndex
@@ -140,6 +141,7 @@ class MegatronFSDP(nn.Module):
         self._completed: set[int] = set()
         self._in_flight: list[Any] = []
         self._in_backward = False
+        self._grads_finished = False
         set_state(module, TrainingState.IDLE)
         self._register_hooks()
 
@@ -164,6 +166,10 @@ class MegatronFSDP(nn.Module):
                     key = f"{prefix}module.{module_name}{'.' if module_name else ''}{leaf}"
                     destination[key] = dist_p if keep_vars else dist_p.detach()
         return destination
+
+    def communicated_bytes(self) -> int:
+        """Bytes this rank handed to gathers and grad reductions since the last ``zero_grad_buffer``."""
+        return sum(bucket.communicated_bytes for bucket in self.buckets)
 
     def get_distributed_index(self) -> FSDPDistributedIndex:
         return self.dist_index
@@ -222,6 +228,7 @@ class MegatronFSDP(nn.Module):
         if self._in_backward:
             return
         self._in_backward = True
+        self._grads_finished = False
         set_state(self.module, TrainingState.PRE_BACKWARD)
         torch.autograd.Variable._execution_engine.queue_callback(self._root_post_backward)
 
@@ -380,16 +387,28 @@ class MegatronFSDP(nn.Module):
                 attach_grads(bucket, params, self._mesh)
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-        """Every grad of the cycle reduced exactly once, then attached to the optimizer's params."""
+        """Every grad of the cycle reduced exactly once, then attached to the optimizer's params. Calling
+        it again before the next backward changes nothing (finalize_model_grads may already have run
+        reductions on the attached grads)."""
+        if self._grads_finished:
+            return
         self.synchronize_gradient_reduce()
         self.attach_grad_to_optimizer_state()
         self.microbatch_count = 0
+        self._grads_finished = True
 
-    def scale_gradients(self, scaling_factor: float) -> None:
+    def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
+        """Multiply every grad by ``scaling_factor``: the buffers, and attached grads that are copies."""
+        buffers = set()
         for bucket in self.buckets:
             if bucket.grad is not None:
                 bucket.grad.mul_(scaling_factor)
-        self.attach_grad_to_optimizer_state()
+                buffers.add(bucket.grad.untyped_storage().data_ptr())
+        for params in self._optimizer_params:
+            for param in params:
+                local = _local(param.grad)
+                if local is not None and local.untyped_storage().data_ptr() not in buffers:
+                    local.mul_(scaling_factor)
 
     def zero_grad_buffer(self) -> None:
         """Zero the grad buffers and drop the optimizer params' grads; call once per optimizer step."""
@@ -401,6 +420,9 @@ class MegatronFSDP(nn.Module):
                 param.grad = None
         self._reduced_this_cycle.clear()
         self._pending.clear()
+        self._grads_finished = False
+        for bucket in self.buckets:
+            bucket.communicated_bytes = 0
 
     def install_optimized_model_weights(self) -> None:
         """Copy the optimizer's updated weights into the compute weights; ZeRO-1/2 replicas are gathered
@@ -445,6 +467,10 @@ class MegatronFSDP(nn.Module):
     def set_model_auto_sync(self, sync_model: bool = True) -> None:
         """With auto-sync every backward reduces and ends with ``finish_grad_sync()``."""
         self.model_auto_sync = sync_model
+
+
+def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _module_device(module: nn.Module) -> torch.device:
