@@ -203,9 +203,9 @@ def bench_ddp(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmark (not a test): gradsync's DDP strategies vs torch DDP, torch FSDP2 and DeepSpeed ZeRO-1/2 in
-    one run, as ratios to the compute floor; writes benchmarks/RESULTS.md and benchmarks/results.png."""
-    install_local(session, "ddp", "finalize", extra=("deepspeed", "matplotlib"))
+    """Benchmark (not a test): gradsync's DDP and FSDP strategies vs torch DDP, torch FSDP2 and DeepSpeed
+    ZeRO-1/2/3 in one run, as ratios to the compute floor; writes benchmarks/RESULTS.md and results.png."""
+    install_local(session, "ddp", "fsdp", "finalize", extra=("deepspeed", "matplotlib"))
     session.run("python", str(ROOT / "benchmarks" / "bench.py"), *session.posargs)
 
 

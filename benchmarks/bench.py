@@ -1,6 +1,6 @@
-"""`nox -s bench`: gradsync's DDP strategies side by side with torch DDP, torch FSDP2 and DeepSpeed ZeRO-1/2,
-in one run on the same model, batch and ranks, each as a ratio to the compute floor (the same model and
-per-rank batch on one rank, no communication). Writes benchmarks/RESULTS.md and benchmarks/results.png.
+"""`nox -s bench`: gradsync's DDP and FSDP strategies side by side with torch DDP, torch FSDP2 and DeepSpeed
+ZeRO-1/2/3, in one run on the same model, batch and ranks, each as a ratio to the compute floor (the same
+model and per-rank batch on one rank, no communication). Writes benchmarks/RESULTS.md and benchmarks/results.png.
 """
 
 from __future__ import annotations
@@ -22,8 +22,12 @@ GRADSYNC = [
     "gradsync-ddp+overlap",
     "gradsync-ddp+distopt",
     "gradsync-ddp+distopt+overlap-param-gather",
+    "gradsync-fsdp-no_shard",
+    "gradsync-fsdp-optim",
+    "gradsync-fsdp-optim_grads",
+    "gradsync-fsdp-optim_grads_params",
 ]
-PEERS = ["torch-ddp", "torch-fsdp2", "deepspeed-zero1", "deepspeed-zero2"]
+PEERS = ["torch-ddp", "torch-fsdp2", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"]
 
 
 def launch(system: str, nproc: int, extra: list[str]) -> Result:
@@ -77,7 +81,7 @@ def machine() -> str:
         f"{cpu}, {os.cpu_count()} cores, {int(memory) / 2**20:.0f} GiB RAM, no GPU; "
         f"Linux {platform.release()}; "
         f"Python {platform.python_version()}, torch {version('torch')}, deepspeed {version('deepspeed')}, "
-        f"gradsync-ddp {version('gradsync-ddp')}"
+        f"gradsync-ddp {version('gradsync-ddp')}, gradsync-fsdp {version('gradsync-fsdp')}"
     )
 
 

@@ -114,6 +114,7 @@ def wrap(
     checkpoint: str | None = None,
     units: bool = True,
     main_grads_dtype: torch.dtype | None = None,
+    seed: int = 0,
     **config: Any,
 ) -> MegatronFSDP:
     ddp_config = DistributedDataParallelConfig(
@@ -123,7 +124,7 @@ def wrap(
         overlap_param_gather=config.pop("overlap_param_gather", True),
         **config,
     )
-    model = TinyTransformer(checkpoint=checkpoint).to(dtype)
+    model = TinyTransformer(seed, checkpoint=checkpoint).to(dtype)
     return MegatronFSDP(
         model,
         shard_index(),

@@ -107,3 +107,30 @@ def foreign_optimizer() -> None:
 
 def test_fully_shard_optimizer_refuses_an_optimizer_on_other_params() -> None:
     run_distributed(foreign_optimizer, 1)
+
+
+def nan_on_rank_1() -> None:
+    model = wrap("optim_grads_params", check_for_nan_in_grad=True)
+    batch = local_microbatches(0, dist.get_rank(), 2, 1)[0]
+    loss = model(batch)
+    if dist.get_rank() == 1:
+        loss = loss * float("nan")
+    with pytest.raises(
+        RuntimeError, match=r"NaN or Inf in the grads of bucket \d+ \(.*\) on rank\(s\) \[1\]"
+    ):
+        loss.backward()
+
+
+def test_nan_grads_raise_on_every_rank_naming_the_rank() -> None:
+    run_distributed(nan_on_rank_1, 2)
+
+
+def eval_forward_releases() -> None:
+    model = wrap("optim_grads_params")
+    with torch.no_grad():
+        model(local_microbatches(0, dist.get_rank(), 2, 1)[0])
+    assert all(b.weight.untyped_storage().nbytes() == 0 for b in model.buckets)
+
+
+def test_a_forward_without_grad_leaves_nothing_gathered() -> None:
+    run_distributed(eval_forward_releases, 2)

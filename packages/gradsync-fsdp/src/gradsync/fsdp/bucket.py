@@ -134,6 +134,13 @@ class FlatParamBucket:
             return item.offset, item.end
         return self.layout.local_span(index, self.rank)
 
+    def owned_rows(self, index: int) -> tuple[int, int]:
+        """Rows ``[first, last)`` of item ``index`` whose optimizer state this rank owns."""
+        if not self.sharding.shard_main:
+            shape = self.layout.items[index].shape
+            return 0, shape[0] if len(shape) else 1
+        return self.layout.local_rows(index, self.rank)
+
     def local_view(self, tensor: torch.Tensor, base: int, index: int) -> torch.Tensor:
         """Item ``index``'s locally owned rows of ``tensor`` (whose first element is coordinate ``base``)."""
         start, end = self.local_span(index)
@@ -225,12 +232,8 @@ class FlatParamBucket:
             wire = self._unreduced
         else:
             wire = self.grad if self.comm_dtype == self.grad_dtype else self.grad.to(self.comm_dtype)
-        if check_for_nan and not bool(torch.isfinite(wire).all()):
-            names = ", ".join(self.spec.names)
-            raise RuntimeError(
-                f"MegatronFSDP (check_for_nan_in_grad=True): NaN or Inf in the grads of bucket "
-                f"{self.bucket_id} ({names}) on rank {dist.get_rank()}, before the reduction"
-            )
+        if check_for_nan:
+            self._refuse_non_finite(wire)
         if reduction.factor is not None and not reduction.average:
             wire.mul_(reduction.factor)
         if not self.sharding.shard_main:
@@ -240,6 +243,19 @@ class FlatParamBucket:
         launched.after.append(lambda: self._finish_reduce(wire))
         self.communicated_bytes += wire.numel() * wire.element_size()
         return launched
+
+    def _refuse_non_finite(self, wire: torch.Tensor) -> None:
+        """Raise on every rank, naming the ranks, if any rank's unreduced grads hold NaN or Inf. The flags
+        are gathered first, so no rank raises while the others wait in the reduction."""
+        mine = (~torch.isfinite(wire).all()).to(torch.int32).reshape(1)
+        flags = torch.empty(self.group.size(), dtype=torch.int32, device=wire.device)
+        dist.all_gather_into_tensor(flags, mine, group=self.group)
+        bad = [dist.get_global_rank(self.group, r) for r, flag in enumerate(flags.tolist()) if flag]
+        if bad:
+            raise RuntimeError(
+                f"MegatronFSDP (check_for_nan_in_grad=True): NaN or Inf in the grads of bucket "
+                f"{self.bucket_id} ({', '.join(self.spec.names)}) on rank(s) {bad}, before the reduction"
+            )
 
     def _finish_reduce(self, wire: torch.Tensor) -> None:
         assert self.grad is not None

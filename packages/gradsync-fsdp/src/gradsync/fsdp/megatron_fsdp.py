@@ -25,6 +25,7 @@ from gradsync.buffers import DistributedDataParallelConfig, check_params_match_a
 from gradsync.groups import FSDPDistributedIndex
 
 from .bucket import BucketStatus, FlatParamBucket, GradReduction, PrefetchOrder
+from .checkpoint import load_param, param_keys
 from .hooks import (
     TrainingState,
     attach_post_backward,
@@ -157,15 +158,32 @@ class MegatronFSDP(nn.Module):
         """Buffers as usual, params as the optimizer's DTensor shards (``module.``-prefixed; tied aliases
         map to the same DTensor). Local: no collective runs, so any rank may call it alone."""
         destination: dict[str, Any] = super().state_dict(*args, **kwargs)
-        prefix = kwargs.get("prefix", "")
         keep_vars = kwargs.get("keep_vars", False)
-        for module_name, module in self.module.named_modules():
-            for leaf, raw in module.named_parameters(recurse=False):
-                if raw in self.sharded_param_of:
-                    dist_p = self.sharded_param_of[raw]
-                    key = f"{prefix}module.{module_name}{'.' if module_name else ''}{leaf}"
-                    destination[key] = dist_p if keep_vars else dist_p.detach()
+        for key, raw in param_keys(self.module, kwargs.get("prefix", "") + "module.").items():
+            dist_p = self.sharded_param_of[raw]
+            destination[key] = dist_p if keep_vars else dist_p.detach()
         return destination
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load params from DTensor shards of the same layout or from whole tensors (each rank copies the
+        rows it owns), buffers as usual; then install the weights. No collective runs."""
+        params = param_keys(self.module)
+        for key, raw in params.items():
+            if key in state_dict:
+                bucket, index = self._locate(raw)
+                load_param(key, bucket, index, self.sharded_param_of[raw], state_dict[key])
+        rest = {k: v for k, v in state_dict.items() if k not in params}
+        result = super().load_state_dict(rest, strict=False, assign=assign)
+        result.missing_keys[:] = [k for k in result.missing_keys if k not in params or k not in state_dict]
+        if strict and (result.missing_keys or result.unexpected_keys):
+            raise RuntimeError(
+                f"MegatronFSDP.load_state_dict: missing keys {result.missing_keys}, unexpected keys "
+                f"{result.unexpected_keys}"
+            )
+        self.install_optimized_model_weights()
+        return result
 
     def communicated_bytes(self) -> int:
         """Bytes this rank handed to gathers and grad reductions since the last ``zero_grad_buffer``."""
@@ -202,7 +220,11 @@ class MegatronFSDP(nn.Module):
             bucket.wait_gather()
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        on_first_output_grad(output, self._root_pre_backward)
+        if torch.is_grad_enabled():
+            on_first_output_grad(output, self._root_pre_backward)
+        elif self.sharding.shard_params:  # no backward follows: drop what the forward gathered
+            for bucket in self.buckets:
+                bucket.release()
 
     def _unit_pre_forward(
         self, unit_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -433,7 +455,9 @@ class MegatronFSDP(nn.Module):
             self.start_param_sync(force_sync=True)
 
     def broadcast_params(self) -> None:
-        """Make every rank's weights DP rank 0's: gather each bucket whole, broadcast it, re-shard."""
+        """Make every rank's weights DP rank 0's: gather each bucket whole, broadcast it, re-shard. Under
+        ZeRO-3 each rank kept only its shard of its own initial weights, so what is broadcast is the
+        gathered model: build identical models (same seed) or load a state dict to start from one."""
         group = self.dist_index.get_fsdp_group()
         src = dist.get_global_rank(group, 0)
         for bucket in self.buckets:
