@@ -7,10 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_testkit import LAYERS, STRATEGIES, Trainer, full_weights, local_microbatches, wrap
+from fsdp_testkit import (
+    LAYERS,
+    STRATEGIES,
+    Block,
+    TinyTransformer,
+    Trainer,
+    full_weights,
+    local_microbatches,
+    shard_index,
+    wrap,
+)
 
 from gradsync.buffers import collectives
-from gradsync.fsdp import TrainingState
+from gradsync.fsdp import MegatronFSDP, TrainingState
 from gradsync.groups.testing import delayed_collectives, run_distributed
 
 COLLECTIVE_ALIASES = ((collectives, "dist_reduce_scatter_func"), (collectives, "dist_all_gather_func"))
@@ -120,3 +130,17 @@ def test_late_launches_and_late_completions_change_nothing(strategy: str) -> Non
     for got, want in zip(probed, plain, strict=True):
         for name in want:
             assert torch.equal(got[name], want[name]), name
+
+
+def units_by_path() -> list[int]:
+    by_class = wrap("optim_grads_params")
+    by_path = MegatronFSDP(
+        TinyTransformer(), shard_index(), by_class.ddp_config, fsdp_unit_modules=["fsdp_testkit.Block"]
+    )
+    assert [type(u) for u in by_path.units] == [Block] * LAYERS
+    return [b.spec.unit_id if b.spec.unit_id is not None else -1 for b in by_path.buckets]
+
+
+def test_units_named_by_dotted_path() -> None:
+    for unit_ids in run_distributed(units_by_path, 2):
+        assert unit_ids == [-1, 0, 1]  # the non-unit params first (embedding, first used), then each Block
