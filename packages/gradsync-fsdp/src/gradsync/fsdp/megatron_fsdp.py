@@ -239,8 +239,12 @@ class MegatronFSDP(nn.Module):
         return None
 
     def _unit_post_forward(self, unit_id: int, output: Any) -> None:
+        """ZeRO-3 releases the unit, except during recomputation (its backward follows at once) and for
+        the last unit when a backward will follow: backward starts with it."""
         unit = self.units[unit_id]
-        if self.sharding.shard_params and get_state(unit) is not TrainingState.PRE_BACKWARD:
+        recomputing = get_state(unit) is TrainingState.PRE_BACKWARD
+        needed_next = unit_id == len(self.units) - 1 and torch.is_grad_enabled()
+        if self.sharding.shard_params and not recomputing and not needed_next:
             for bucket in self._unit_buckets[unit_id]:
                 bucket.release()
         on_first_output_grad(output, lambda: self._unit_pre_backward(unit_id))
