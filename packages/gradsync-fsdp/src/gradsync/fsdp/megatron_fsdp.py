@@ -39,6 +39,8 @@ from .strategy import parse_strategy
 from .support import refuse_unsupported
 from .units import UnitEntry, find_units, group_into_buckets, resolve_unit_classes
 
+DEFAULT_PREFETCH_ELEMENTS = 500_000_000  # the reference's default: half of its 1e9-element unit
+
 
 def default_fsdp_config() -> DistributedDataParallelConfig:
     """ZeRO-3 with overlapped gathers and reductions, as Megatron-FSDP defaults to."""
@@ -135,7 +137,8 @@ class MegatronFSDP(nn.Module):
         self.set_model_auto_sync(sync_model_each_microbatch)
         self.is_last_microbatch = True
         self.microbatch_count = 0
-        self.suggested_AG_prefetch_size = 1  # units gathered ahead; 0 turns prefetch off
+        # Elements a prefetch may gather (the neighbouring unit, if it fits); 0 turns prefetch off.
+        self.suggested_AG_prefetch_size = DEFAULT_PREFETCH_ELEMENTS
         self._ready: dict[int, set[int]] = {b.bucket_id: set() for b in self.buckets}
         self._reduced_this_cycle: set[int] = set()
         self._pending: set[int] = set()
@@ -346,10 +349,13 @@ class MegatronFSDP(nn.Module):
             bucket.wait_gather()
 
     def _prefetch(self, unit_id: int | None) -> None:
-        if unit_id is None or self.suggested_AG_prefetch_size <= 0 or not 0 <= unit_id < len(self.units):
+        """Start gathering the neighbouring unit, if it fits ``suggested_AG_prefetch_size`` elements."""
+        if unit_id is None or not 0 <= unit_id < len(self.units):
             return
-        for bucket in self._unit_buckets[unit_id]:
-            bucket.launch_gather()
+        buckets = self._unit_buckets[unit_id]
+        if sum(b.layout.size for b in buckets) <= self.suggested_AG_prefetch_size:
+            for bucket in buckets:
+                bucket.launch_gather()
 
     def all_gather_and_wait_parameters_ready(
         self,
