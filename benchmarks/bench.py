@@ -1,6 +1,6 @@
 """`nox -s bench`: gradsync's DDP and FSDP strategies side by side with torch DDP, torch FSDP2 and DeepSpeed
 ZeRO-1/2/3, in one run on the same model, batch and ranks, each as a ratio to the compute floor (the same
-model and per-rank batch on one rank, no communication). Writes benchmarks/RESULTS.md and benchmarks/results.png.
+model and per-rank batch on one rank, no communication). Writes benchmarks/RESULTS.md and results.png.
 """
 
 from __future__ import annotations
@@ -130,13 +130,12 @@ def write_results(rows: list[Result], floor: Result, args: argparse.Namespace) -
         "",
         "Reading the wire column: gloo's `reduce_scatter_tensor` all-reduces and keeps its part, so it "
         "sends as many bytes as an all-reduce (measured: 1.0x the bucket at 2 ranks, 1.5x at 4, vs "
-        "(p-1)/p for NCCL). Every ZeRO strategy here (gradsync's distributed optimizer, DeepSpeed "
-        "ZeRO-1/2) therefore pays reduce-scatter at all-reduce price plus the param all-gather: 1.5x the "
-        "ring minimum at 2 ranks, where NCCL would give 1.0x. ZeRO-3 (FSDP2, gradsync's fsdp-optim_grads_params, "
-        "DeepSpeed ZeRO-3) also gathers the params again for backward: about 2.0x; gradsync keeps the last "
-        "block gathered from its forward into the backward, one block's gather less per step. DeepSpeed "
-        "ZeRO-3 on this model persists small params unsharded (its stage3_param_persistence_threshold), "
-        "which lowers its wire bytes and raises its memory.",
+        "(p-1)/p for NCCL). Every ZeRO strategy here therefore pays reduce-scatter at all-reduce price "
+        "plus the param all-gather: 1.5x the ring minimum at 2 ranks, where NCCL would give 1.0x. ZeRO-3 "
+        "(FSDP2, gradsync's fsdp-optim_grads_params, DeepSpeed ZeRO-3) also gathers the params again for "
+        "backward: about 2.0x. gradsync keeps the last block gathered from its forward into the backward, "
+        "one block's gather less per step. DeepSpeed ZeRO-3 keeps params below its "
+        "stage3_param_persistence_threshold unsharded, which lowers its wire bytes and raises its memory.",
     ]
     png = plot(HERE / "results.png", floor, rows)
     if png:
