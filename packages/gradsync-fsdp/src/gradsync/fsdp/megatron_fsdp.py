@@ -26,6 +26,7 @@ from gradsync.groups import FSDPDistributedIndex
 
 from .bucket import BucketStatus, FlatParamBucket, GradReduction, PrefetchOrder
 from .checkpoint import load_param, param_keys
+from .dcp import FIRST_ROW, describe_shard
 from .hooks import (
     TrainingState,
     attach_post_backward,
@@ -159,12 +160,15 @@ class MegatronFSDP(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """Buffers as usual, params as the optimizer's DTensor shards (``module.``-prefixed; tied aliases
-        map to the same DTensor). Local: no collective runs, so any rank may call it alone."""
+        map to the same DTensor), described for ``torch.distributed.checkpoint``. Local: no collective
+        runs, so any rank may call it alone."""
         destination: dict[str, Any] = super().state_dict(*args, **kwargs)
         keep_vars = kwargs.get("keep_vars", False)
         for key, raw in param_keys(self.module, kwargs.get("prefix", "") + "module.").items():
             dist_p = self.sharded_param_of[raw]
-            destination[key] = dist_p if keep_vars else dist_p.detach()
+            value = dist_p if keep_vars else dist_p.detach()
+            first_row = getattr(dist_p, FIRST_ROW, None)
+            destination[key] = value if first_row is None else describe_shard(value, first_row)
         return destination
 
     def load_state_dict(  # type: ignore[override]

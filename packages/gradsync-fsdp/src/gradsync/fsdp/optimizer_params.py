@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .bucket import FlatParamBucket
+from .dcp import FIRST_ROW, describe_shard
 
 # Attributes Megatron and gradsync-finalize read off params, carried over to the optimizer's params.
 CARRIED_ATTRIBUTES = (
@@ -47,6 +48,10 @@ def build_optimizer_params(bucket: FlatParamBucket, mesh: DeviceMesh) -> list[nn
         local = bucket.local_view(source, base, index)
         dtensor = as_dtensor(local, mesh, raw.shape, bucket.sharding.shard_main)
         param = nn.Parameter(dtensor, requires_grad=raw.requires_grad)
+        if bucket.sharding.shard_main:
+            first_row = bucket.owned_rows(index)[0]
+            setattr(param, FIRST_ROW, first_row)
+            describe_shard(param, first_row)
         for name in CARRIED_ATTRIBUTES:
             if hasattr(raw, name):
                 setattr(param, name, getattr(raw, name))
