@@ -133,36 +133,50 @@ def layers(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build every wheel; install each alone (torch present) and check pip pulled in exactly the
-    layers below it that it declares, and nothing above."""
+    """Every wheel builds; then every `pip install packages/...` command in every README runs verbatim
+    (from the repository root, torch already present) and must install exactly the layer it ends with and
+    the layers that layer declares below it, nothing above, so a README that drifts fails here."""
     session.install(*CONSTRAINTS, "build", "torch")
     dist_dir = Path(session.create_tmp()) / "wheels"
     shutil.rmtree(dist_dir, ignore_errors=True)
     for name in PACKAGES:
         session.run("python", "-m", "build", "--wheel", "--outdir", str(dist_dir), pkg_dir(name))
-    for name in PACKAGES:
-        wheel = next(dist_dir.glob(f"gradsync_{name}-*.whl"))
+    commands = readme_install_commands()
+    if {target for target, _ in commands} != set(PACKAGES):
+        session.error(f"the READMEs show install commands for {sorted({t for t, _ in commands})} only")
+    for target, command in commands:
         if installed_gradsync(session):
-            session.error(f"venv not clean before installing {wheel.name}")
-        session.run(
-            "python",
-            "-m",
-            "pip",
-            "install",
-            "--no-index",
-            "--find-links",
-            str(dist_dir),
-            str(wheel),
-        )
-        session.run("python", "-c", f"import gradsync.{name} as m; print(m.__name__, m.__version__)")
-        pulled = installed_gradsync(session) - {name}
-        if pulled != closure(name):
-            session.error(f"gradsync-{name} pulled in {sorted(pulled)}, expected {sorted(closure(name))}")
-        above = {p for p in pulled if LAYERS[p] >= LAYERS[name]}
+            session.error(f"venv not clean before `{' '.join(command)}`")
+        session.run("python", "-m", *command)
+        session.run("python", "-c", f"import gradsync.{target} as m; print(m.__name__, m.__version__)")
+        pulled = installed_gradsync(session) - {target}
+        if pulled != closure(target):
+            session.error(
+                f"`{' '.join(command)}` installed {sorted(pulled)} besides gradsync-{target}; "
+                f"it declares {sorted(closure(target))}"
+            )
+        above = {p for p in pulled if LAYERS[p] >= LAYERS[target]}
         if above:
-            session.error(f"gradsync-{name} pulled in layers at or above its own: {sorted(above)}")
-        session.log(f"gradsync-{name} installs alone with {sorted(pulled) or 'no other layer'}")
-        session.run("python", "-m", "pip", "uninstall", "-y", *(f"gradsync-{p}" for p in pulled | {name}))
+            session.error(f"gradsync-{target} pulled in layers at or above its own: {sorted(above)}")
+        session.log(
+            f"`{' '.join(command)}` installs gradsync-{target} with {sorted(pulled) or 'nothing else'}"
+        )
+        session.run("python", "-m", "pip", "uninstall", "-y", *(f"gradsync-{p}" for p in pulled | {target}))
+
+
+def readme_install_commands() -> list[tuple[str, list[str]]]:
+    """``(package, argv)`` for every distinct ``pip install packages/...`` line in the READMEs; the package
+    is the last path the line names (comments after ``#`` dropped)."""
+    found = []
+    for readme in [ROOT / "README.md", *sorted(ROOT.glob("packages/*/README.md"))]:
+        for line in readme.read_text().splitlines():
+            words = line.split("#", 1)[0].split()
+            if words[:2] != ["pip", "install"] or not words[-1].startswith("packages/gradsync-"):
+                continue
+            entry = (words[-1].removeprefix("packages/gradsync-"), words)
+            if entry not in found:
+                found.append(entry)
+    return found
 
 
 def installed_gradsync(session: nox.Session) -> set[str]:
