@@ -72,6 +72,24 @@ def test_resume_is_bit_exact(tmp_path: Path) -> None:
         )
 
 
+def test_fsdp_resumes_at_another_data_parallel_size(tmp_path: Path) -> None:
+    """ZeRO-3 through torch.distributed.checkpoint: 8 steps on 4 ranks vs 4 steps there, a checkpoint, and
+    4 more on 2 ranks (the same global batches): the same losses, up to the changed reduction order."""
+    layout = ["--strategy", "fsdp-optim_grads_params", "--steps", "8", "--save-every", "4"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    first = torchrun(4, *layout, "--out-dir", str(straight))
+    assert first.returncode == 0, first.stdout + first.stderr
+    shutil.copytree(straight / "checkpoints" / "step000004", resumed / "checkpoints" / "step000004")
+    second = torchrun(2, *layout, "--resume", "--out-dir", str(resumed))
+    assert second.returncode == 0, second.stdout + second.stderr
+    losses = [
+        [r["loss"] for r in json.loads((run / "metrics.json").read_text())] for run in (straight, resumed)
+    ]
+    assert len(losses[1]) == 4
+    for got, want in zip(losses[1], losses[0][4:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (losses[1], losses[0][4:])
+
+
 def test_resume_under_another_layout_is_refused(tmp_path: Path) -> None:
     first = torchrun(2, "--steps", "2", "--save-every", "2", "--out-dir", str(tmp_path))
     assert first.returncode == 0, first.stdout + first.stderr

@@ -107,8 +107,6 @@ def run(opts: Options) -> RunResult:
     stage = GPTStage(cfg, groups, opts.sequence_parallel).to(device, param_dtype(opts))
     wrapped = wrap(opts.strategy, stage, groups, make_optimizer(opts), opts.bucket_size, bf16=opts.bf16)
     model, optimizer = wrapped.model, wrapped.optimizer
-    if (opts.save_every or opts.resume) and not wrapped.checkpointable:
-        raise ValueError(f"--strategy {opts.strategy} has no checkpoints yet; drop --save-every/--resume")
     corpus = Corpus.from_stdlib(opts.corpus_bytes)
     dp_rank, dp_size = groups.dp_cp.rank(), groups.dp_cp.size()  # type: ignore[union-attr]
     local_batch = opts.global_batch // dp_size

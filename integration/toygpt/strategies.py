@@ -82,7 +82,7 @@ class Wrapped:
     model: Any
     optimizer: Any
     sharded_optimizer: bool
-    checkpointable = True
+    checkpoint_format = "per-rank"  # one torch.save file per rank; resumes under the same layout only
 
     def settle_params(self) -> None:
         """Finish any param all-gather still deferred to the next forward, so the params are current."""
@@ -96,7 +96,7 @@ class Wrapped:
 
 
 class FSDPWrapped(Wrapped):
-    checkpointable = False  # sharded checkpoints come with gradsync-fsdp's checkpoint support
+    checkpoint_format = "dcp"  # torch.distributed.checkpoint: resumes at another data-parallel size too
 
     def settle_params(self) -> None:
         """Gather every weight whole (ZeRO-3 keeps them until the next forward), so the params are current."""
