@@ -1,6 +1,7 @@
 """torch.distributed.checkpoint with MegatronFSDP's uneven shards: a checkpoint of model and optimizer
 saved at one DP size loads at another (4 -> 2 and 2 -> 4), and training continues as if uninterrupted:
-equal (<= 1e-6) to the run that never stopped, on the same global batches."""
+equal (<= 1e-6) to the run that never stopped, on the same global batches; at the same size, bit-identical.
+A full state dict on rank 0 gives every param whole, for export."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from fsdp_testkit import full_weights, local_microbatches, make_optimizer, max_relative_difference, wrap
+from fsdp_testkit import (
+    TinyTransformer,
+    full_weights,
+    local_microbatches,
+    make_optimizer,
+    max_relative_difference,
+    wrap,
+)
 
 from gradsync.fsdp import MegatronFSDP, fully_shard_optimizer
 from gradsync.groups.testing import run_distributed
@@ -54,14 +62,34 @@ def load_then_continue(strategy: str, directory: str) -> dict[str, torch.Tensor]
     return full_weights(model)
 
 
-@pytest.mark.parametrize(("saved_at", "loaded_at"), [(4, 2), (2, 4)])
+@pytest.mark.parametrize(("saved_at", "loaded_at"), [(4, 2), (2, 4), (2, 2)])
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
 def test_checkpoint_reshards_across_dp_sizes(
     strategy: str, saved_at: int, loaded_at: int, tmp_path: Path
 ) -> None:
     directory = str(tmp_path / "ckpt")
     uninterrupted = run_distributed(save_then_continue, saved_at, args=(strategy, directory))[0]
-    for rank, weights in enumerate(
-        run_distributed(load_then_continue, loaded_at, args=(strategy, directory))
-    ):
-        assert max_relative_difference(weights, uninterrupted) <= 1e-6, rank
+    resumed = run_distributed(load_then_continue, loaded_at, args=(strategy, directory))
+    for rank, weights in enumerate(resumed):
+        if saved_at == loaded_at:  # the same reductions in the same order: bit-identical
+            assert all(torch.equal(weights[k], uninterrupted[k]) for k in uninterrupted), rank
+        else:
+            assert max_relative_difference(weights, uninterrupted) <= 1e-6, rank
+
+
+def export(strategy: str) -> dict[str, torch.Tensor]:
+    model, optimizer = build(strategy, seed=0)
+    train(model, optimizer, range(2))
+    full = model.full_state_dict()
+    assert (dist.get_rank() == 0) == bool(full)
+    weights = full_weights(model)
+    if full:
+        TinyTransformer().load_state_dict(full)  # every key of the plain model, the tied alias included
+        assert all(torch.equal(full[k], w) for k, w in weights.items())
+    return full
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_full_state_dict_on_rank_0(strategy: str) -> None:
+    full = run_distributed(export, 2, args=(strategy,))[0]
+    assert set(full) == set(TinyTransformer().state_dict())

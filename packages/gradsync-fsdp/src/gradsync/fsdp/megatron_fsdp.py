@@ -192,6 +192,18 @@ class MegatronFSDP(nn.Module):
         self.install_optimized_model_weights()
         return result
 
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """Every param whole, as plain CPU tensors keyed like the wrapped module's own state dict (tied
+        aliases included), for inference or export. A collective: every rank of the shard group calls it;
+        with ``rank0_only`` only the group's rank 0 gets the tensors, the others an empty dict."""
+        self.all_gather_and_wait_parameters_ready(list(self.raw_param.values()), prefetch=False)
+        keep = not rank0_only or self.dist_index.get_fsdp_group().rank() == 0
+        full = (
+            {name: p.detach().cpu().clone() for name, p in self.module.state_dict().items()} if keep else {}
+        )
+        self.synchronize_param_gather()
+        return full
+
     def communicated_bytes(self) -> int:
         """Bytes this rank handed to gathers and grad reductions since the last ``zero_grad_buffer``."""
         return sum(bucket.communicated_bytes for bucket in self.buckets)
