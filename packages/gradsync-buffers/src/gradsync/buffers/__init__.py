@@ -11,7 +11,12 @@ from .bucket_group import ParamAndGradBucketGroup, partition_buckets
 from .buffer import ParamAndGradBucket, ParamAndGradBuffer
 from .collectives import reduce_scatter_with_fp32_accumulation, shard_buffer
 from .config import DistributedDataParallelConfig, default_bucket_size, effective_bucket_size
-from .field_support import FSDP_ONLY_FIELDS, non_default_fields, refuse_fields_ddp_cannot_honour
+from .field_support import (
+    FSDP_ONLY_FIELDS,
+    non_default_fields,
+    non_default_values,
+    refuse_fields_ddp_cannot_honour,
+)
 from .grad_checks import LargeGradDetector
 from .layout import (
     BufferKey,
@@ -65,6 +70,7 @@ __all__ = [
     "group_params_for_buffers",
     "is_expert_parallel",
     "non_default_fields",
+    "non_default_values",
     "pad_bucket_end",
     "pad_param_start",
     "pad_to_divisor",

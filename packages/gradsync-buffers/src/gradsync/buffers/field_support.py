@@ -50,6 +50,11 @@ def non_default_fields(config: DistributedDataParallelConfig, names: tuple[str, 
     return [name for name in names if getattr(config, name) != defaults[name]]
 
 
+def non_default_values(config: DistributedDataParallelConfig, names: tuple[str, ...]) -> str:
+    """``"a=1, b=True"`` for those of ``names`` set away from their defaults; empty when none is."""
+    return ", ".join(f"{name}={getattr(config, name)!r}" for name in non_default_fields(config, names))
+
+
 def refuse_fields_ddp_cannot_honour(config: DistributedDataParallelConfig, wrapper: str) -> None:
     """Raise, naming each field, when ``config`` asks the DDP path for something it would ignore."""
     if config.use_megatron_fsdp:
@@ -60,10 +65,9 @@ def refuse_fields_ddp_cannot_honour(config: DistributedDataParallelConfig, wrapp
     for name, why in NOT_IMPLEMENTED_FOR_DDP.items():
         if non_default_fields(config, (name,)):
             raise NotImplementedError(f"{wrapper}: {name}={getattr(config, name)!r}: {why}. Set it back.")
-    ignored = non_default_fields(config, FSDP_ONLY_FIELDS)
+    ignored = non_default_values(config, FSDP_ONLY_FIELDS)
     if ignored:
-        values = ", ".join(f"{name}={getattr(config, name)!r}" for name in ignored)
         raise ValueError(
-            f"{wrapper}: {values} only configure Megatron-FSDP (gradsync.fsdp) and would be ignored here. "
+            f"{wrapper}: {ignored} only configure Megatron-FSDP (gradsync.fsdp) and would be ignored here. "
             "Leave them at their defaults for DDP, or wrap the model with gradsync.fsdp.MegatronFSDP."
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gradsync.buffers import DistributedDataParallelConfig, non_default_fields
+from gradsync.buffers import DistributedDataParallelConfig, non_default_fields, non_default_values
 from gradsync.groups import FSDPDistributedIndex, get_backend_capabilities
 
 CUDA_ONLY_FIELDS = (
@@ -70,11 +70,10 @@ def refuse_unsupported(
             f"MegatronFSDP: {name}={getattr(config, name)!r} is not implemented by gradsync-fsdp yet; set it "
             "back to its default"
         )
-    ignored = non_default_fields(config, DDP_ONLY_FIELDS)
+    ignored = non_default_values(config, DDP_ONLY_FIELDS)
     if ignored:
-        values = ", ".join(f"{name}={getattr(config, name)!r}" for name in ignored)
         raise ValueError(
-            f"MegatronFSDP: {values} only configure gradsync-ddp's DistributedDataParallel and would be "
+            f"MegatronFSDP: {ignored} only configure gradsync-ddp's DistributedDataParallel and would be "
             "ignored here; leave them at their defaults"
         )
     if init_model_with_meta_device:
