@@ -27,7 +27,7 @@ from gradsync.buffers import (
 )
 from gradsync.buffers.bucket_group import ParamAndGradBucketGroup
 from gradsync.groups import ModelParallelConfigProtocol, ProcessGroupCollection
-from gradsync.groups.model_config import model_parallel_sizes
+from gradsync.groups.model_config import describe_model_parallel
 
 from .base import _BaseDataParallel
 
@@ -42,9 +42,8 @@ def resolve_process_groups(
     TP shards or pipeline stages as if they were replicas would give silently wrong grads.
     """
     if pg_collection is None:
-        parallel = model_parallel_sizes(config)
-        if parallel:
-            sizes = ", ".join(f"{k}={v}" for k, v in parallel.items())
+        sizes = describe_model_parallel(config)
+        if sizes:
             raise ValueError(
                 f"DistributedDataParallel: the config says {sizes} but no pg_collection was given, so every "
                 "rank would be treated as a data-parallel replica. Pass "

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.groups import ProcessGroupCollection
-from gradsync.groups.model_config import model_parallel_sizes
+from gradsync.groups.model_config import describe_model_parallel
 
 from . import reductions
 from .protocol import find_attribute_owner
@@ -56,9 +56,8 @@ def resolve_groups(
     if pg_collection is None:
         pg_collection = getattr(model[0], "pg_collection", None)
         if pg_collection is None:
-            parallel = model_parallel_sizes(config)
-            if parallel:
-                sizes = ", ".join(f"{k}={v}" for k, v in parallel.items())
+            sizes = describe_model_parallel(config)
+            if sizes:
                 raise ValueError(
                     f"finalize_model_grads: the config says {sizes} but neither the pg_collection argument "
                     "nor the model chunk carries process groups, so the model-parallel reductions cannot "

@@ -314,7 +314,7 @@ class MegatronFSDP(nn.Module):
         return self._position[param]
 
     def _reduces_now(self) -> bool:
-        if self.sharding.reduces_every_backward:
+        if self.sharding.shard_grads:
             return True
         return self.ddp_config.overlap_grad_reduce and (self.is_last_microbatch or self.model_auto_sync)
 

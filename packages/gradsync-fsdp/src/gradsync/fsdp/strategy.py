@@ -33,10 +33,6 @@ class Sharding:
     shard_grads: bool
     shard_params: bool
 
-    @property
-    def reduces_every_backward(self) -> bool:
-        return self.shard_grads
-
 
 def parse_strategy(value: str | int, field: str = "data_parallel_sharding_strategy") -> Sharding:
     """The strategy named by a string or a :class:`ShardingStrategy` integer, or a ValueError naming

@@ -82,3 +82,9 @@ def model_parallel_sizes(config: object) -> dict[str, int]:
     """
     sizes = {name: int(getattr(config, name, 1) or 1) for name in MODEL_PARALLEL_SIZE_FIELDS}
     return {name: size for name, size in sizes.items() if size > 1}
+
+
+def describe_model_parallel(config: object) -> str:
+    """``"tensor_model_parallel_size=2, pipeline_model_parallel_size=2"`` for the config's model-parallel
+    sizes above 1; empty when it has none. The wrappers name these in their refusals."""
+    return ", ".join(f"{name}={size}" for name, size in model_parallel_sizes(config).items())
