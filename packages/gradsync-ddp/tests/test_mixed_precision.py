@@ -26,6 +26,10 @@ from gradsync.groups.testing import run_distributed
 
 STEPS = 8
 BF16_BOUND = 6.5e-3
+# cuBLAS may round partial sums of a bf16 GEMM to bf16 (torch's default on CUDA), which adds a rounding per
+# split of the reduction and moves the DP run 0.79 % from the reference (measured on an H100); the bound is
+# about rounding the outputs, so both sides accumulate in fp32 as the CPU kernels do.
+torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 LR = 0.2
 
 

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from gradsync.buffers import DistributedDataParallelConfig
 from gradsync.fsdp import MegatronFSDP, fully_shard_optimizer
 from gradsync.groups import FSDPDistributedIndex
-from gradsync.groups.testing import run_distributed
+from gradsync.groups.testing import run_distributed, test_device
 
 
 def config(**fields: object) -> DistributedDataParallelConfig:
@@ -52,7 +52,9 @@ def param_in_two_units() -> None:
     with pytest.raises(
         ValueError, match=r"'up.weight' of FSDP unit #0 \(Block\) is also reached from unit #1"
     ):
-        MegatronFSDP(SharedInsideTwoUnits(), shard_index(), config(), fsdp_unit_modules=[Block])
+        MegatronFSDP(
+            SharedInsideTwoUnits().to(test_device()), shard_index(), config(), fsdp_unit_modules=[Block]
+        )
 
 
 def test_a_param_in_two_units_is_refused() -> None:
@@ -77,7 +79,7 @@ def index_outside_the_world() -> None:
     only_rank_0 = dist.new_group([0])
     if dist.get_rank() == 0:
         return
-    mesh = DeviceMesh("cpu", [0], mesh_dim_names=("dp_shard",), _init_backend=False)
+    mesh = DeviceMesh(test_device().type, [0], mesh_dim_names=("dp_shard",), _init_backend=False)
     index = FSDPDistributedIndex.__new__(FSDPDistributedIndex)
     index.device_mesh, index.use_hybrid_fsdp, index.fsdp_group = mesh, False, only_rank_0
     with pytest.raises(ValueError, match="does not fit the world"):

@@ -55,6 +55,7 @@ def refuse_unsupported(
     init_model_with_meta_device: bool,
 ) -> None:
     """Raise, naming the field and the fix, for anything MegatronFSDP would otherwise ignore."""
+    _check_index_matches_world(dist_index, device)  # first: a rank outside the mesh cannot query its group
     group = dist_index.get_fsdp_group()
     on_cuda_nccl = device.type == "cuda" and get_backend_capabilities(group, device).userbuffers
     for name in non_default_fields(config, CUDA_ONLY_FIELDS):
@@ -82,7 +83,6 @@ def refuse_unsupported(
         raise NotImplementedError(
             "MegatronFSDP: hybrid sharding (dist_index with dp_outer_dim) is not implemented yet"
         )
-    _check_index_matches_world(dist_index, device)
 
 
 def _check_index_matches_world(dist_index: FSDPDistributedIndex, device: torch.device) -> None:
