@@ -36,11 +36,11 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
-    def __init__(self, seed: int = 0, checkpoint: str | None = None) -> None:
+    def __init__(self, seed: int = 0, checkpoint: str | None = None, layers: int = LAYERS) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.embedding = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embedding.weight  # tied
@@ -115,6 +115,7 @@ def wrap(
     units: bool = True,
     main_grads_dtype: torch.dtype | None = None,
     seed: int = 0,
+    layers: int = LAYERS,
     **config: Any,
 ) -> MegatronFSDP:
     ddp_config = DistributedDataParallelConfig(
@@ -124,7 +125,7 @@ def wrap(
         overlap_param_gather=config.pop("overlap_param_gather", True),
         **config,
     )
-    model = TinyTransformer(seed, checkpoint=checkpoint).to(dtype)
+    model = TinyTransformer(seed, checkpoint=checkpoint, layers=layers).to(dtype)
     return MegatronFSDP(
         model,
         shard_index(),
@@ -175,11 +176,8 @@ class Trainer:
 
 def full_weights(model: MegatronFSDP) -> dict[str, torch.Tensor]:
     """The compute weights as a forward would see them, gathered whole, by their module names."""
-    raw = list(model.module.parameters())
-    model.all_gather_and_wait_parameters_ready(raw, prefetch=False)
-    weights = named_weights(model.module)
-    model.synchronize_param_gather()
-    return weights
+    full = model.full_state_dict(rank0_only=False)
+    return {name: full[name].float() for name, _ in model.module.named_parameters()}
 
 
 def max_relative_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:

@@ -4,13 +4,16 @@ Params are views into the bucket's flat compute-weight buffer (zero-copy: a gath
 reduction works on the buffer itself, never on per-param copies). What is kept whole and what only as
 this rank's shard follows the strategy (:class:`~gradsync.fsdp.strategy.Sharding`). Under ZeRO-3 the
 whole compute buffer exists only between :meth:`FlatParamBucket.launch_gather` and
-:meth:`FlatParamBucket.release`: its storage is resized to zero in between, and the params' views follow
-it. The optimizer's params are views of the main-weight buffer (or, when the main dtype is the compute
-dtype, of the compute weights themselves), so its in-place updates land in the buffer.
+:meth:`FlatParamBucket.release`, and ZeRO-2/3's whole-bucket grads only until their reduce-scatter is
+done; both come from the bucket's allocators (:mod:`gradsync.fsdp.allocators`), and the params are
+re-pointed whenever the weight buffer is a different tensor than last time. The optimizer's params are
+views of the main-weight buffer (or, when the main dtype is the compute dtype, of the compute weights
+themselves), so its in-place updates land in the buffer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -18,6 +21,7 @@ import torch.distributed as dist
 
 from gradsync.buffers.collectives import Launched, all_gather_shards, all_reduce, reduce_scatter
 
+from .allocators import BucketAllocator, BufferRequest, StorageResizeBucketAllocator, TemporaryBucketAllocator
 from .layout import BucketLayout, compute_bucket_layout
 from .mixed_precision import MixedPrecisionPolicy
 from .strategy import Sharding
@@ -48,6 +52,24 @@ class GradReduction:
         self.average = average_in_collective
 
 
+@dataclass
+class BucketAllocators:
+    """Where a bucket's gathered weights and unreduced grads come from (shared by all buckets)."""
+
+    weights: BucketAllocator
+    grads: BucketAllocator
+
+    @classmethod
+    def dynamic(cls) -> BucketAllocators:
+        """The default: storage-resize for weights (params keep their views), temporary for grads."""
+        return cls(StorageResizeBucketAllocator(), TemporaryBucketAllocator())
+
+
+def bucket_layout(spec: BucketSpec, sharding: Sharding, group: dist.ProcessGroup) -> BucketLayout:
+    """The bucket's flat layout: cut into the group's shards when main weights are sharded."""
+    return compute_bucket_layout([p.shape for p in spec.params], group.size() if sharding.shard_main else 1)
+
+
 class FlatParamBucket:
     """The flat buffers of one bucket and the collectives that keep them in sync across ``group``."""
 
@@ -59,20 +81,25 @@ class FlatParamBucket:
         policy: MixedPrecisionPolicy,
         group: dist.ProcessGroup,
         device: torch.device,
+        allocators: BucketAllocators | None = None,
     ) -> None:
         self.bucket_id, self.spec, self.sharding, self.group = bucket_id, spec, sharding, group
         self.rank = group.rank()
-        world = group.size() if sharding.shard_main else 1
-        self.layout: BucketLayout = compute_bucket_layout([p.shape for p in spec.params], world)
+        self.layout: BucketLayout = bucket_layout(spec, sharding, group)
         self.shard_lo, self.shard_hi = self.layout.shard_range(self.rank if sharding.shard_main else 0)
         self.dtype, self.device = spec.dtype, device
+        self.allocators = allocators or BucketAllocators.dynamic()
 
-        self.weight = torch.zeros(self.layout.size, dtype=self.dtype, device=device)
+        if sharding.shard_params:
+            weight = self.allocators.weights.allocate(bucket_id, self.weight_request)
+        else:
+            weight = torch.empty(self.layout.size, dtype=self.dtype, device=device)
         with torch.no_grad():
+            weight.zero_()  # the padding stays zero
             for param, item in zip(spec.params, self.layout.items, strict=True):
-                view = self._item_view(self.weight, 0, item.offset, item.end, item.shape)
-                view.copy_(param.detach())
-                param.data = view
+                self._item_view(weight, 0, item.offset, item.end, item.shape).copy_(param.detach())
+        self._params_view: torch.Tensor | None = None
+        self._point_params_at(weight)
         self.weight_shard = (
             self.weight[self.shard_lo : self.shard_hi].clone() if sharding.shard_params else None
         )
@@ -101,6 +128,14 @@ class FlatParamBucket:
             self.release()
 
     # --- coordinates -------------------------------------------------------------------------------
+    @property
+    def weight_request(self) -> BufferRequest:
+        return BufferRequest(self.layout.size, self.dtype, self.device)
+
+    @property
+    def grad_request(self) -> BufferRequest:
+        return BufferRequest(self.layout.size, self.comm_dtype, self.device)
+
     @property
     def main_range(self) -> tuple[int, int]:
         """Buffer coordinates the main weights (and the optimizer) cover on this rank."""
@@ -160,7 +195,7 @@ class FlatParamBucket:
         if self.status is not BucketStatus.EMPTY:
             return
         if self.weight_shard is not None:
-            self.weight.untyped_storage().resize_(self.layout.size * self.weight.element_size())
+            self._point_params_at(self.allocators.weights.allocate(self.bucket_id, self.weight_request))
             self.weight[self.shard_lo : self.shard_hi].copy_(self.weight_shard)
         self._gather = all_gather_shards(self.weight, self.group)
         self.communicated_bytes += self.weight.numel() * self.weight.element_size()
@@ -181,8 +216,17 @@ class FlatParamBucket:
         if self.weight_shard is None or self.status is BucketStatus.EMPTY:
             return
         self.wait_gather()
-        self.weight.untyped_storage().resize_(0)
+        self.allocators.weights.free(self.bucket_id)
         self.status = BucketStatus.EMPTY
+
+    def _point_params_at(self, weight: torch.Tensor) -> None:
+        """Make ``weight`` the compute buffer; re-point the params when it is a different tensor."""
+        self.weight = weight
+        if self._params_view is weight:
+            return
+        self._params_view = weight
+        for param, item in zip(self.spec.params, self.layout.items, strict=True):
+            param.data = self._item_view(weight, 0, item.offset, item.end, item.shape)
 
     def mark_replicas_stale(self) -> None:
         """ZeRO-1/2: other ranks' shards of the compute buffer changed; gather before the next use."""
@@ -214,9 +258,7 @@ class FlatParamBucket:
         """Add one param's grad from this backward into the bucket."""
         item = self.layout.items[index]
         if self.sharding.shard_grads:
-            if self._unreduced is None:
-                self._unreduced = torch.zeros(self.layout.size, dtype=self.comm_dtype, device=self.device)
-            target = self._item_view(self._unreduced, 0, item.offset, item.end, item.shape)
+            target = self._item_view(self._unreduced_grads(), 0, item.offset, item.end, item.shape)
         else:
             assert self.grad is not None
             target = self._item_view(self.grad, 0, item.offset, item.end, item.shape)
@@ -227,9 +269,7 @@ class FlatParamBucket:
         it to the accumulated shard), or all-reduce the whole buffer (no_shard)."""
         assert self.grad is not None
         if self.sharding.shard_grads:
-            if self._unreduced is None:  # no param of the bucket got a grad this backward
-                self._unreduced = torch.zeros(self.layout.size, dtype=self.comm_dtype, device=self.device)
-            wire = self._unreduced
+            wire = self._unreduced_grads()  # zeros when no param of the bucket got a grad
         else:
             wire = self.grad if self.comm_dtype == self.grad_dtype else self.grad.to(self.comm_dtype)
         if check_for_nan:
@@ -243,6 +283,21 @@ class FlatParamBucket:
         launched.after.append(lambda: self._finish_reduce(wire))
         self.communicated_bytes += wire.numel() * wire.element_size()
         return launched
+
+    def _unreduced_grads(self) -> torch.Tensor:
+        """ZeRO-2/3: this backward's whole-bucket grads, zeroed when first asked for."""
+        if self._unreduced is None:
+            self._unreduced = self.allocators.grads.allocate(self.bucket_id, self.grad_request).zero_()
+        return self._unreduced
+
+    def can_take_grads(self) -> bool:
+        """Whether the first grad of this backward would get a buffer now (double buffers can be full)."""
+        return self._unreduced is not None or self.allocators.grads.can_allocate(self.bucket_id)
+
+    def _drop_unreduced(self) -> None:
+        if self._unreduced is not None:
+            self._unreduced = None
+            self.allocators.grads.free(self.bucket_id)
 
     def _refuse_non_finite(self, wire: torch.Tensor) -> None:
         """Raise on every rank, naming the ranks, if any rank's unreduced grads hold NaN or Inf. The flags
@@ -261,7 +316,7 @@ class FlatParamBucket:
         assert self.grad is not None
         if self.sharding.shard_grads:
             self.grad.add_(wire[self.shard_lo : self.shard_hi])
-            self._unreduced = None
+            self._drop_unreduced()
         elif wire is not self.grad:
             self.grad.copy_(wire)
 
@@ -274,4 +329,4 @@ class FlatParamBucket:
     def zero_grad(self) -> None:
         if self.grad is not None:
             self.grad.zero_()
-        self._unreduced = None
+        self._drop_unreduced()

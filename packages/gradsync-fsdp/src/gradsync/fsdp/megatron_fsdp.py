@@ -24,7 +24,9 @@ from torch.distributed.tensor import DTensor
 from gradsync.buffers import DistributedDataParallelConfig, check_params_match_across_ranks
 from gradsync.groups import FSDPDistributedIndex
 
-from .bucket import BucketStatus, FlatParamBucket, GradReduction, PrefetchOrder
+from .allocator_choice import choose_allocators
+from .allocators import AllocatorStats
+from .bucket import BucketStatus, FlatParamBucket, GradReduction, PrefetchOrder, bucket_layout
 from .checkpoint import load_param, param_keys
 from .dcp import FIRST_ROW, describe_shard
 from .hooks import (
@@ -106,8 +108,12 @@ class MegatronFSDP(nn.Module):
         self.units = find_units(module, self.fsdp_unit_modules)
         bucket_size = None if disable_bucketing else ddp_config.bucket_size
         specs = group_into_buckets(module, self.units, bucket_size)
+        layouts = [bucket_layout(spec, self.sharding, group) for spec in specs]
+        self.allocators, self.nccl_ub_pool = choose_allocators(
+            ddp_config, specs, layouts, self.mp_policy, group, self.device
+        )
         self.buckets = [
-            FlatParamBucket(i, spec, self.sharding, self.mp_policy, group, self.device)
+            FlatParamBucket(i, spec, self.sharding, self.mp_policy, group, self.device, self.allocators)
             for i, spec in enumerate(specs)
         ]
         self._unit_buckets: list[list[FlatParamBucket]] = [[] for _ in self.units]
@@ -196,17 +202,37 @@ class MegatronFSDP(nn.Module):
         """Every param whole, as plain CPU tensors keyed like the wrapped module's own state dict (tied
         aliases included), for inference or export. A collective: every rank of the shard group calls it;
         with ``rank0_only`` only the group's rank 0 gets the tensors, the others an empty dict."""
-        self.all_gather_and_wait_parameters_ready(list(self.raw_param.values()), prefetch=False)
         keep = not rank0_only or self.dist_index.get_fsdp_group().rank() == 0
-        full = (
-            {name: p.detach().cpu().clone() for name, p in self.module.state_dict().items()} if keep else {}
-        )
-        self.synchronize_param_gather()
-        return full
+        state = self.module.state_dict(keep_vars=True)
+        names_of: dict[torch.Tensor, list[str]] = {}
+        for name, tensor in state.items():
+            names_of.setdefault(tensor, []).append(name)
+        copied: dict[str, torch.Tensor] = {}
+        for bucket in self.buckets:  # one bucket whole at a time, as double buffers require
+            bucket.wait_gather()
+            for param in bucket.spec.params:
+                for name in names_of.pop(param, []) if keep else []:
+                    copied[name] = param.detach().cpu().clone()
+            if self.sharding.shard_params:
+                bucket.release()
+        if not keep:
+            return {}
+        for tensor, names in names_of.items():  # buffers
+            copied.update({name: tensor.detach().cpu().clone() for name in names})
+        return {name: copied[name] for name in state}
 
     def communicated_bytes(self) -> int:
         """Bytes this rank handed to gathers and grad reductions since the last ``zero_grad_buffer``."""
         return sum(bucket.communicated_bytes for bucket in self.buckets)
+
+    def memory_stats(self) -> dict[str, AllocatorStats]:
+        """Allocations and live / peak bytes of every temporary-buffer allocator, keyed
+        ``weights:<kind>`` / ``grads:<kind>`` (a double buffer lists its fallback too)."""
+        return {
+            f"{what}:{kind}": stats
+            for what, allocator in (("weights", self.allocators.weights), ("grads", self.allocators.grads))
+            for kind, stats in allocator.all_stats().items()
+        }
 
     def get_distributed_index(self) -> FSDPDistributedIndex:
         return self.dist_index
@@ -300,6 +326,8 @@ class MegatronFSDP(nn.Module):
                     "microbatch under no_sync() (or leave model auto-sync off), or call zero_grad_buffer() "
                     "between optimizer steps."
                 )
+            if not bucket.can_take_grads():
+                self._wait_reductions_until(bucket.can_take_grads)
             with torch.no_grad():
                 bucket.accumulate(index, grad)
             p.grad = None
@@ -351,6 +379,11 @@ class MegatronFSDP(nn.Module):
         if self.model_auto_sync:
             self.finish_grad_sync()
 
+    def _wait_reductions_until(self, ready: Any) -> None:
+        """Double buffers: finish the oldest reductions (freeing their grad buffers) until ``ready()``."""
+        while self._in_flight and not ready():
+            self._in_flight.pop(0).wait()
+
     def _wait_reductions(self) -> None:
         in_flight, self._in_flight = self._in_flight, []
         for launched in in_flight:
@@ -369,6 +402,8 @@ class MegatronFSDP(nn.Module):
         if unit_id is None or not 0 <= unit_id < len(self.units):
             return
         buckets = self._unit_buckets[unit_id]
+        if not all(self.allocators.weights.can_allocate(b.bucket_id) for b in buckets):
+            return  # double buffers: both held by units still in use
         if sum(b.layout.size for b in buckets) <= self.suggested_AG_prefetch_size:
             for bucket in buckets:
                 bucket.launch_gather()

@@ -1,7 +1,7 @@
 """Which config fields MegatronFSDP honours; the rest are refused by name before any collective.
 
-CUDA-only features are refused off CUDA/NCCL with ValueError; features not built yet (allocators, HSDP,
-meta-device init, fp8) raise NotImplementedError naming the field, instead of being silently ignored.
+CUDA-only features are refused off CUDA/NCCL with ValueError; features not built yet (HSDP, meta-device
+init, fp8) raise NotImplementedError naming the field, instead of being silently ignored.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ CUDA_ONLY_FIELDS = (
 )
 """NCCL user buffers, Transformer Engine fp8/fp4 and CUDA graphs: CUDA with NCCL only."""
 
+BUILT_CUDA_ONLY_FIELDS = ("nccl_ub", "disable_symmetric_registration")
+"""The CUDA-only fields gradsync-fsdp implements (on CUDA with NCCL)."""
+
 NOT_YET_FIELDS = (
-    "fsdp_double_buffer",
     "fsdp_db_use_persist_buf_on_alloc_fail",
     "megatron_fsdp_max_pool_double_buffer",
     "outer_dp_sharding_strategy",
@@ -65,7 +67,9 @@ def refuse_unsupported(
                 f"the model is on {device.type} with backend {dist.get_backend(group)!r}; set it back to "
                 "its default"
             )
-        raise NotImplementedError(f"MegatronFSDP: {name} is not implemented by gradsync-fsdp yet")
+        if name not in BUILT_CUDA_ONLY_FIELDS:
+            raise NotImplementedError(f"MegatronFSDP: {name} is not implemented by gradsync-fsdp yet")
+    _check_buffering(config)
     for name in non_default_fields(config, NOT_YET_FIELDS):
         raise NotImplementedError(
             f"MegatronFSDP: {name}={getattr(config, name)!r} is not implemented by gradsync-fsdp yet; set it "
@@ -82,6 +86,25 @@ def refuse_unsupported(
     if dist_index.use_hybrid_fsdp:
         raise NotImplementedError(
             "MegatronFSDP: hybrid sharding (dist_index with dp_outer_dim) is not implemented yet"
+        )
+
+
+def _check_buffering(config: DistributedDataParallelConfig) -> None:
+    """Double buffers (and the NCCL user buffers inside them) replace the whole-bucket buffers that ZeRO-2/3
+    allocate per use; the other strategies allocate none."""
+    if config.disable_symmetric_registration and not config.nccl_ub:
+        raise ValueError(
+            "MegatronFSDP: disable_symmetric_registration=True only applies with nccl_ub=True; set it back "
+            "to False or turn nccl_ub on"
+        )
+    buffered = [name for name in ("fsdp_double_buffer", "nccl_ub") if getattr(config, name)]
+    strategy = config.data_parallel_sharding_strategy
+    if buffered and strategy not in ("optim_grads", "optim_grads_params"):
+        raise ValueError(
+            f"MegatronFSDP: {' and '.join(f'{n}=True' for n in buffered)} buffers the whole-bucket grads and "
+            f"weights that 'optim_grads' and 'optim_grads_params' allocate per use; "
+            f"data_parallel_sharding_strategy={strategy!r} allocates none. Use one of those, or turn "
+            f"{' and '.join(buffered)} off"
         )
 
 

@@ -1,0 +1,76 @@
+"""Which allocators a model's buckets use, from the constructor's flags (spec fsdp.md §4.3).
+
+Without double buffering: storage-resize for ZeRO-3's gathered weights, temporary for ZeRO-2/3's
+unreduced grads. With ``fsdp_double_buffer`` (or ``nccl_ub``, which implies it) each kind gets a
+:class:`DoubleBufferAllocator` over the FSDP units, with the dynamic allocator as its fallback for buckets
+that are not shaped like the most common unit. With ``nccl_ub`` the double buffers come from an NCCL
+memory pool registered on the shard group; fallback buffers stay ordinary (unregistered) memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from gradsync.buffers import DistributedDataParallelConfig
+
+from .allocators import (
+    BucketAllocator,
+    BufferRequest,
+    DoubleBufferAllocator,
+    MemoryContext,
+    StorageResizeBucketAllocator,
+    TemporaryBucketAllocator,
+    UnitBuckets,
+)
+from .bucket import BucketAllocators
+from .layout import BucketLayout
+from .mixed_precision import MixedPrecisionPolicy
+from .units import BucketSpec
+from .userbuffers import NcclUserBufferPool
+
+
+def choose_allocators(
+    config: DistributedDataParallelConfig,
+    specs: Sequence[BucketSpec],
+    layouts: Sequence[BucketLayout],
+    policy: MixedPrecisionPolicy,
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> tuple[BucketAllocators, NcclUserBufferPool | None]:
+    """The allocators for ``specs`` (laid out as ``layouts``), and the NCCL pool when ``nccl_ub``."""
+    if not (config.fsdp_double_buffer or config.nccl_ub):
+        return BucketAllocators.dynamic(), None
+    pool = None
+    context: MemoryContext = contextlib.nullcontext
+    if config.nccl_ub:
+        pool = NcclUserBufferPool([group], device, symmetric=not config.disable_symmetric_registration)
+        context = pool.allocating
+
+    def units(dtype_of: dict[int, torch.dtype]) -> list[UnitBuckets]:
+        """The units' buckets among those in ``dtype_of``, each needing a buffer of that dtype."""
+        by_unit: dict[int, list[int]] = {}
+        for bucket_id, spec in enumerate(specs):
+            if spec.unit_id is not None and bucket_id in dtype_of:
+                by_unit.setdefault(spec.unit_id, []).append(bucket_id)
+        return [
+            UnitBuckets(
+                unit_id,
+                tuple(ids),
+                tuple(BufferRequest(layouts[i].size, dtype_of[i], device) for i in ids),
+            )
+            for unit_id, ids in by_unit.items()
+        ]
+
+    weight_dtypes = {i: spec.dtype for i, spec in enumerate(specs)}
+    grad_dtypes = {i: policy.comm_dtype(spec.dtype) for i, spec in enumerate(specs) if spec.requires_grad}
+    weights: BucketAllocator = StorageResizeBucketAllocator()
+    if config.data_parallel_sharding_strategy == "optim_grads_params":
+        weights = DoubleBufferAllocator("weight", units(weight_dtypes), weights, context)
+    grads = DoubleBufferAllocator("grad", units(grad_dtypes), TemporaryBucketAllocator(), context)
+    if pool is not None:
+        pool.register()
+    return BucketAllocators(weights, grads), pool

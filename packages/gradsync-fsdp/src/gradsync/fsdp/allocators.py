@@ -1,0 +1,237 @@
+"""Where a bucket's temporary communication buffers come from (spec fsdp.md §4).
+
+A bucket asks its allocator for a whole-bucket buffer when it needs one (ZeRO-3's gathered weights,
+ZeRO-2/3's unreduced grads) and gives it back when done. Three policies:
+
+- :class:`TemporaryBucketAllocator` allocates a fresh tensor per use and frees it after;
+- :class:`StorageResizeBucketAllocator` keeps one tensor object per bucket and resizes its storage to 0
+  and back, so views taken once (the module's params) follow it;
+- :class:`DoubleBufferAllocator` (``fsdp_double_buffer``) holds two persistent slot groups shaped like
+  the most common unit and hands them to units in turn: no allocation at all after construction.
+
+Every allocator counts allocations and live / peak bytes (:class:`AllocatorStats`), so tests and
+benchmarks read what each policy costs instead of guessing it from RSS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+
+MemoryContext = Callable[[], AbstractContextManager[object]]
+"""Wraps every allocation (an NCCL memory pool, or nothing)."""
+
+
+@dataclass
+class AllocatorStats:
+    """Allocations made, bytes held now and the most bytes ever held at once."""
+
+    allocations: int = 0
+    live_bytes: int = 0
+    peak_bytes: int = 0
+
+    def grew(self, nbytes: int) -> None:
+        self.allocations += 1
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def shrank(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
+
+@dataclass(frozen=True)
+class BufferRequest:
+    """What a bucket needs: ``size`` elements of ``dtype`` on ``device``."""
+
+    size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * torch.empty((), dtype=self.dtype).element_size()
+
+
+class BucketAllocator(ABC):
+    """Hands out one whole-bucket buffer per bucket id until it is freed."""
+
+    kind: str
+
+    def __init__(self, memory_context: MemoryContext = contextlib.nullcontext) -> None:
+        self.stats = AllocatorStats()
+        self._memory_context = memory_context
+
+    @abstractmethod
+    def allocate(self, bucket_id: int, request: BufferRequest) -> torch.Tensor:
+        """The bucket's buffer (the same one until :meth:`free`); its contents are undefined."""
+
+    @abstractmethod
+    def free(self, bucket_id: int) -> None:
+        """Give the bucket's buffer back (a no-op when it holds none)."""
+
+    def can_allocate(self, bucket_id: int) -> bool:
+        """Whether :meth:`allocate` would succeed now (pools can run out; dynamic allocators cannot)."""
+        return True
+
+    def all_stats(self) -> dict[str, AllocatorStats]:
+        return {self.kind: self.stats}
+
+    def _new(self, request: BufferRequest) -> torch.Tensor:
+        with self._memory_context():
+            tensor = torch.empty(request.size, dtype=request.dtype, device=request.device)
+        self.stats.grew(request.nbytes)
+        return tensor
+
+
+class TemporaryBucketAllocator(BucketAllocator):
+    """A new tensor for every use; freeing drops its storage even if views of it survive."""
+
+    kind = "temporary"
+
+    def __init__(self, memory_context: MemoryContext = contextlib.nullcontext) -> None:
+        super().__init__(memory_context)
+        self._held: dict[int, torch.Tensor] = {}
+
+    def allocate(self, bucket_id: int, request: BufferRequest) -> torch.Tensor:
+        if bucket_id not in self._held:
+            self._held[bucket_id] = self._new(request)
+        return self._held[bucket_id]
+
+    def free(self, bucket_id: int) -> None:
+        tensor = self._held.pop(bucket_id, None)
+        if tensor is not None:
+            self.stats.shrank(tensor.untyped_storage().nbytes())
+            tensor.untyped_storage().resize_(0)
+
+
+class StorageResizeBucketAllocator(BucketAllocator):
+    """One tensor object per bucket for good: storage resized to 0 when freed and back when allocated,
+    so views of it (the params) stay valid whenever the bucket holds its buffer."""
+
+    kind = "storage_resize"
+
+    def __init__(self, memory_context: MemoryContext = contextlib.nullcontext) -> None:
+        super().__init__(memory_context)
+        self._tensors: dict[int, torch.Tensor] = {}
+
+    def allocate(self, bucket_id: int, request: BufferRequest) -> torch.Tensor:
+        tensor = self._tensors.get(bucket_id)
+        if tensor is None:
+            tensor = self._tensors[bucket_id] = self._new(request)
+        elif tensor.untyped_storage().nbytes() == 0:
+            with self._memory_context():
+                tensor.untyped_storage().resize_(request.nbytes)
+            self.stats.grew(request.nbytes)
+        return tensor
+
+    def free(self, bucket_id: int) -> None:
+        tensor = self._tensors.get(bucket_id)
+        if tensor is not None and tensor.untyped_storage().nbytes():
+            self.stats.shrank(tensor.untyped_storage().nbytes())
+            tensor.untyped_storage().resize_(0)
+
+
+@dataclass(frozen=True)
+class UnitBuckets:
+    """The buckets of one FSDP unit in order, and the buffer each needs."""
+
+    unit_id: int
+    bucket_ids: tuple[int, ...]
+    requests: tuple[BufferRequest, ...]
+
+
+class DoubleBufferAllocator(BucketAllocator):
+    """Two persistent slot groups shaped like the most common unit ("mode" of the units' bucket
+    signatures; the first such unit wins ties), lent to one unit at a time.
+
+    A unit keeps the group it got first whenever that group is idle (so a unit's buffers stay put from
+    step to step) and takes the other otherwise; a third unit asking while two hold both is refused with
+    the holders named. Buckets of other units and outside units go to ``fallback``. Double buffering pays
+    off for depth-symmetric models; for others most buckets end in the fallback.
+    """
+
+    kind = "double_buffer"
+    GROUPS = 2
+
+    def __init__(
+        self,
+        what: str,
+        units: Sequence[UnitBuckets],
+        fallback: BucketAllocator,
+        memory_context: MemoryContext = contextlib.nullcontext,
+    ) -> None:
+        super().__init__(memory_context)
+        if not units:
+            raise ValueError(
+                f"MegatronFSDP (fsdp_double_buffer): no FSDP units to double-buffer {what}s for; pass "
+                "fsdp_unit_modules, or turn fsdp_double_buffer (and nccl_ub) off"
+            )
+        self.what, self.fallback = what, fallback
+        signatures = Counter(u.requests for u in units)
+        mode, _ = max(signatures.items(), key=lambda item: item[1])  # first-seen wins ties
+        self.slot_requests = mode
+        self._offset_of = {
+            bucket_id: (u.unit_id, offset)
+            for u in units
+            if u.requests == mode
+            for offset, bucket_id in enumerate(u.bucket_ids)
+        }
+        self.slots = [[self._new(r) for r in mode] for _ in range(self.GROUPS)]
+        self._holder: list[int | None] = [None] * self.GROUPS  # unit id per group
+        self._in_use: list[set[int]] = [set() for _ in range(self.GROUPS)]  # offsets per group
+        self._home: dict[int, int] = {}  # a unit's first group
+
+    def pooled(self, bucket_id: int) -> bool:
+        return bucket_id in self._offset_of
+
+    def allocate(self, bucket_id: int, request: BufferRequest) -> torch.Tensor:
+        if not self.pooled(bucket_id):
+            return self.fallback.allocate(bucket_id, request)
+        unit_id, offset = self._offset_of[bucket_id]
+        group = self._group_for(unit_id)
+        if group is None:
+            raise RuntimeError(
+                f"MegatronFSDP (fsdp_double_buffer): FSDP unit #{unit_id} needs a {self.what} buffer, but "
+                f"units #{self._holder[0]} and #{self._holder[1]} hold both; double buffering keeps at most "
+                "two units' buffers at once. A unit gives its weights back after its forward and "
+                "backward and its grads once they are reduced; turn fsdp_double_buffer off for schedules "
+                "that hold more"
+            )
+        self._holder[group] = unit_id
+        self._home.setdefault(unit_id, group)
+        self._in_use[group].add(offset)
+        return self.slots[group][offset]
+
+    def free(self, bucket_id: int) -> None:
+        if not self.pooled(bucket_id):
+            self.fallback.free(bucket_id)
+            return
+        unit_id, offset = self._offset_of[bucket_id]
+        for group, holder in enumerate(self._holder):
+            if holder == unit_id:
+                self._in_use[group].discard(offset)
+                if not self._in_use[group]:
+                    self._holder[group] = None
+
+    def can_allocate(self, bucket_id: int) -> bool:
+        if not self.pooled(bucket_id):
+            return self.fallback.can_allocate(bucket_id)
+        return self._group_for(self._offset_of[bucket_id][0]) is not None
+
+    def _group_for(self, unit_id: int) -> int | None:
+        if unit_id in self._holder:
+            return self._holder.index(unit_id)
+        home = self._home.get(unit_id)
+        if home is not None and self._holder[home] is None:
+            return home
+        idle = [g for g, holder in enumerate(self._holder) if holder is None]
+        return idle[0] if idle else None
+
+    def all_stats(self) -> dict[str, AllocatorStats]:
+        return {self.kind: self.stats, **self.fallback.all_stats()}
