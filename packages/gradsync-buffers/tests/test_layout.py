@@ -14,6 +14,7 @@ from gradsync.buffers import (
     compute_full_param_layout,
     compute_param_layout,
     group_params_for_buffers,
+    group_specs_for_buffers,
     is_expert_parallel,
     pad_bucket_end,
     pad_param_start,
@@ -165,14 +166,31 @@ def test_shard_param_ranges_follow_the_optimizer_contract() -> None:
 def test_grouping_into_buffers() -> None:
     bf16 = torch.bfloat16
     dense, expert = ParamSpec((4, 4), bf16), ParamSpec((4, 4), bf16, is_expert_parallel=True)
-    assert group_params_for_buffers([dense, dense], grad_reduce_in_fp32=True) == {
+    assert group_specs_for_buffers([dense, dense], grad_reduce_in_fp32=True) == {
         BufferKey(bf16, torch.float32, False): [0, 1]
     }
-    assert group_params_for_buffers([dense], grad_reduce_in_fp32=False) == {BufferKey(bf16, bf16, False): [0]}
-    grouped = group_params_for_buffers([dense, expert, dense], grad_reduce_in_fp32=False)
+    assert group_specs_for_buffers([dense], grad_reduce_in_fp32=False) == {BufferKey(bf16, bf16, False): [0]}
+    grouped = group_specs_for_buffers([dense, expert, dense], grad_reduce_in_fp32=False)
     assert grouped == {BufferKey(bf16, bf16, False): [0, 2], BufferKey(bf16, bf16, True): [1]}
-    mixed = group_params_for_buffers([dense, ParamSpec((2,), torch.float32)], grad_reduce_in_fp32=False)
+    mixed = group_specs_for_buffers([dense, ParamSpec((2,), torch.float32)], grad_reduce_in_fp32=False)
     assert len(mixed) == 2
+
+
+def test_grouping_params_has_megatrons_shape() -> None:
+    """Megatron's examples: dense, expert, dense give dense indices [0, 1] and expert [0], params kept."""
+    bf16 = torch.bfloat16
+    a, b, c = (torch.nn.Parameter(torch.zeros(3, dtype=bf16)) for _ in range(3))
+    b.allreduce = False  # type: ignore[attr-defined]
+    grouped = group_params_for_buffers([a, b, c], grad_reduce_in_fp32=True)
+    assert list(grouped) == [BufferKey(bf16, torch.float32, False), BufferKey(bf16, torch.float32, True)]
+    dense_params, dense_indices = grouped[BufferKey(bf16, torch.float32, False)]
+    assert dense_params[0] is a
+    assert dense_params[1] is c
+    assert dense_indices == [0, 1]
+    assert grouped[BufferKey(bf16, torch.float32, True)][1] == [0]
+    frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    with pytest.raises(ValueError, match=r"positions \[1\] do not require grad"):
+        group_params_for_buffers([a, frozen], grad_reduce_in_fp32=False)
 
 
 def test_full_layout_pads_experts_for_the_expert_dp_size() -> None:

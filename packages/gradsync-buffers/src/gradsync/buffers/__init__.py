@@ -9,6 +9,7 @@ functions in :mod:`.collectives`.
 from .assembly import GradBuffers, build_grad_buffers
 from .bucket_group import ParamAndGradBucketGroup, partition_buckets
 from .buffer import ParamAndGradBucket, ParamAndGradBuffer
+from .buffer import _ParamAndGradBuffer as _ParamAndGradBuffer
 from .collectives import reduce_scatter_with_fp32_accumulation, shard_buffer
 from .config import DistributedDataParallelConfig, default_bucket_size, effective_bucket_size
 from .field_support import (
@@ -28,23 +29,26 @@ from .layout import (
     compute_full_param_layout,
     compute_param_layout,
     group_params_for_buffers,
+    group_specs_for_buffers,
     is_expert_parallel,
     pad_bucket_end,
     pad_param_start,
     pad_to_divisor,
 )
 from .param_consistency import check_params_match_across_ranks
+from .param_ready import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
 from .scaling import gradient_scaling_factors
 from .stats import CollectiveRecord, CommStats
 from .version import __version__
 
-# Megatron-Core's private names, for code that imports them.
-_ParamAndGradBuffer = ParamAndGradBuffer
+# Megatron-Core's private names, for code that imports them (_ParamAndGradBuffer takes Megatron's
+# constructor arguments, so it is a class of its own).
 _ParamAndGradBucket = ParamAndGradBucket
 _ParamAndGradBucketGroup = ParamAndGradBucketGroup
 
 __all__ = [
     "FSDP_ONLY_FIELDS",
+    "PARAM_READY_CALLBACK_ATTR",
     "BufferKey",
     "CollectiveRecord",
     "CommStats",
@@ -66,8 +70,10 @@ __all__ = [
     "compute_param_layout",
     "default_bucket_size",
     "effective_bucket_size",
+    "ensure_params_ready",
     "gradient_scaling_factors",
     "group_params_for_buffers",
+    "group_specs_for_buffers",
     "is_expert_parallel",
     "non_default_fields",
     "non_default_values",

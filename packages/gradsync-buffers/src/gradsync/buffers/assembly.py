@@ -20,7 +20,7 @@ from gradsync.groups import ProcessGroupCollection
 from .bucket_group import ParamAndGradBucketGroup, partition_buckets
 from .buffer import ParamAndGradBuffer
 from .config import DistributedDataParallelConfig, effective_bucket_size
-from .layout import ParamSpec, group_params_for_buffers
+from .layout import BufferKey, FullParamLayout, ParamSpec, group_specs_for_buffers
 from .scaling import gradient_scaling_factors
 
 
@@ -89,6 +89,33 @@ def _require(pgs: ProcessGroupCollection, *names: str) -> dist.ProcessGroup:
     raise ValueError(f"pg_collection needs one of {', '.join(names)} (set it to the matching process group)")
 
 
+def _check_layout_matches(
+    layout: FullParamLayout,
+    grouping: dict[BufferKey, list[int]],
+    names: Sequence[str],
+    specs: Sequence[ParamSpec],
+) -> None:
+    """A precomputed layout must cover the same buffers and params, in the same order, as the grouping:
+    the same positions, each with room for exactly its param's elements."""
+    if set(layout.layouts) != set(grouping):
+        raise ValueError(
+            f"Buffer keys from param grouping {sorted(map(str, grouping))} do not match full_param_layout "
+            f"keys {sorted(map(str, layout.layouts))}: compute the layout over the module's trainable params "
+            "with the same grad_reduce_in_fp32"
+        )
+    for key, members in grouping.items():
+        slots = layout.layouts[key].param_index_map
+        sizes = [slots[j][1] - slots[j][0] if j in slots else -1 for j in range(len(members))]
+        if layout.members.get(key, members) != members or sizes != [specs[i].numel for i in members]:
+            expected = [names[i] for i in members]
+            raise ValueError(
+                f"Params for {key} do not match between grouping and layout: the wrapper groups {expected}; "
+                "compute the layout over the module's trainable params in named_parameters() order"
+            )
+        if layout.layouts[key].param_indices not in ([], list(range(len(members)))):
+            raise ValueError(f"param_indices for {key} do not match between grouping and layout")
+
+
 def build_grad_buffers(
     named_params: Sequence[tuple[str, Parameter]],
     ddp_config: DistributedDataParallelConfig,
@@ -98,6 +125,7 @@ def build_grad_buffers(
     single_bucket: bool = False,
     disable_bucketing: bool = False,
     device: torch.device | None = None,
+    full_param_layout: FullParamLayout | None = None,
 ) -> GradBuffers:
     """Buffers and bucket groups for the trainable params of ``named_params`` (registration order).
 
@@ -133,7 +161,10 @@ def build_grad_buffers(
     )
     dense: list[ParamAndGradBuffer] = []
     expert: list[ParamAndGradBuffer] = []
-    for key, members in group_params_for_buffers(specs, ddp_config.grad_reduce_in_fp32).items():
+    grouping = group_specs_for_buffers(specs, ddp_config.grad_reduce_in_fp32)
+    if full_param_layout is not None:
+        _check_layout_matches(full_param_layout, grouping, [name for name, _ in named], specs)
+    for key, members in grouping.items():
         buffer = ParamAndGradBuffer(
             ddp_config,
             key.param_dtype,
@@ -142,17 +173,19 @@ def build_grad_buffers(
             expert_group if key.is_expert_parallel and expert_group is not None else dense_group,
             bucket_size,
             expert_factor if key.is_expert_parallel else dense_factor,
+            param_layout=full_param_layout.layouts[key] if full_param_layout is not None else None,
             device=device,
         )
         (expert if key.is_expert_parallel else dense).append(buffer)
+    fp32_accumulation = ddp_config.reduce_scatter_with_fp32_accumulation
     return GradBuffers(
         buffers=dense,
         expert_parallel_buffers=expert,
         bucket_groups=partition_buckets(
-            dense, disable_bucketing, inter_distributed_optimizer_instance_group=inter
+            dense, disable_bucketing, fp32_accumulation, inter_distributed_optimizer_instance_group=inter
         ),
         expert_parallel_bucket_groups=partition_buckets(
-            expert, disable_bucketing, inter_distributed_optimizer_instance_group=inter
+            expert, disable_bucketing, fp32_accumulation, inter_distributed_optimizer_instance_group=inter
         ),
         bucket_size=bucket_size,
     )

@@ -43,6 +43,12 @@ class ParamAndGradBucketGroup:
         self.collective_group = collective_group
         self.collective_group_size = collective_group_size
         self.collective_group_rank = collective_group.rank()
+        # Megatron-Core's names for the same group (it sets the first three with the distributed
+        # optimizer or param gather overlap, the last without the distributed optimizer).
+        self.intra_distributed_optimizer_instance_group = collective_group
+        self.intra_distributed_optimizer_instance_size = collective_group_size
+        self.intra_distributed_optimizer_instance_rank = self.collective_group_rank
+        self.data_parallel_group = collective_group
         if (
             ddp_config.num_distributed_optimizer_instances > 1
             and inter_distributed_optimizer_instance_group is None
@@ -117,6 +123,17 @@ class ParamAndGradBucketGroup:
 
     # --- gradient reduction ----------------------------------------------------------------------
 
+    def check_grads(self, check_for_nan_or_inf: bool, check_for_large: bool) -> None:
+        """Raise on a NaN/Inf local grad norm and, when asked, warn on an unexpectedly large one."""
+        if check_for_large and self.large_grad_detector is None:
+            self.large_grad_detector = LargeGradDetector()
+        check_grads(
+            self.buckets,
+            rank=dist.get_rank(),
+            check_for_nan_or_inf=check_for_nan_or_inf,
+            detector=self.large_grad_detector if check_for_large else None,
+        )
+
     def _uses_reduce_scatter(self, force_all_reduce: bool) -> bool:
         return self.ddp_config.use_distributed_optimizer and not force_all_reduce
 
@@ -131,12 +148,7 @@ class ParamAndGradBucketGroup:
             raise RuntimeError("Should not have multiple communication calls outstanding at once")
         self._copy_extra_main_grads_into_buffer()
         if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
-            check_grads(
-                self.buckets,
-                rank=dist.get_rank(),
-                check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
-                detector=self.large_grad_detector,
-            )
+            self.check_grads(self.ddp_config.check_for_nan_in_grad, self.ddp_config.check_for_large_grads)
         with torch.no_grad():
             for bucket in self.buckets:
                 if bucket.gradient_scaling_factor != 1.0:
@@ -210,6 +222,13 @@ class ParamAndGradBucketGroup:
         if self.grad_reduce_handle is not None:
             self.grad_reduce_handle.wait()
             self.grad_reduce_handle = None
+        if self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
+
+    def free_overlap_buffers(self) -> None:
+        """Finish a param all-gather still in flight and drop its handle (Megatron-Core's hook for freeing
+        the memory a layer-wise gather holds; gradsync gathers straight into the param buffer)."""
         if self.param_gather_handle is not None:
             self.param_gather_handle.wait()
             self.param_gather_handle = None
@@ -299,16 +318,29 @@ class ParamAndGradBucketGroup:
 def partition_buckets(
     buffers: Sequence[ParamAndGradBuffer],
     force_single_bucket_group: bool = False,
+    reduce_scatter_with_fp32_accumulation: bool = False,
     *,
     inter_distributed_optimizer_instance_group: dist.ProcessGroup | None = None,
 ) -> list[ParamAndGradBucketGroup]:
     """One group per bucket (buffers in order, buckets in order), or every bucket in one group.
 
     Groups are chained so that the param gather runs from the last group (the model's first layers)
-    towards group 0, and so that a group can drain its predecessor's reduction.
+    towards group 0, and so that a group can drain its predecessor's reduction. Each group reads
+    ``reduce_scatter_with_fp32_accumulation`` from its buffers' config; Megatron's argument of that name
+    must agree with it.
     """
     if not buffers:
         return []
+    disagreeing = [
+        i
+        for i, b in enumerate(buffers)
+        if b.ddp_config.reduce_scatter_with_fp32_accumulation != reduce_scatter_with_fp32_accumulation
+    ]
+    if reduce_scatter_with_fp32_accumulation and disagreeing:
+        raise ValueError(
+            f"partition_buckets(reduce_scatter_with_fp32_accumulation=True) but buffers {disagreeing} were "
+            "built with it False in their config; pass their ddp_config.reduce_scatter_with_fp32_accumulation"
+        )
     if force_single_bucket_group:
         first = buffers[0]
         for other in buffers[1:]:

@@ -38,7 +38,7 @@ class ParamAndGradBucket:
         bucket_id: int,
         param_index_map: dict[Parameter, tuple[int, int, int]],
         params_with_extra_main_grads: list[Parameter],
-        param_names: dict[Parameter, str],
+        param_names: dict[Parameter, str] | None = None,
     ) -> None:
         self.params_list = params
         self.params = set(params)
@@ -54,7 +54,11 @@ class ParamAndGradBucket:
             p: (param_index_map[p][0] - offset, param_index_map[p][1] - offset) for p in params
         }
         self.params_with_extra_main_grads = params_with_extra_main_grads
-        self.param_names = {p: param_names[p] for p in params}
+        # Names only make messages readable (Megatron's bucket has none); unnamed params get their shape.
+        self.param_names = {
+            p: param_names[p] if param_names is not None else f"<param of shape {tuple(p.shape)}>"
+            for p in params
+        }
 
 
 class ParamAndGradBuffer:
@@ -129,6 +133,9 @@ class ParamAndGradBuffer:
             for b, (start, end) in enumerate(self.bucket_indices)
         ]
         self.param_to_bucket = {p: bucket for bucket in self.buckets for p in bucket.params_list}
+        self.param_indices = list(param_layout.param_indices) or list(range(len(self.params)))
+        self.param_data_cpu: torch.Tensor | None = None
+        self.grad_data_size = 0
 
     def _attach_views(self, fp32_patterns: tuple[str, ...]) -> set[Parameter]:
         """Point ``main_grad`` (and, with a param buffer, ``data``) of every param into the buffers."""
@@ -162,6 +169,79 @@ class ParamAndGradBuffer:
         self.grad_data.zero_()
         for grad in self.extra_main_grads:
             grad.zero_()
+
+    def offload_to_cpu(self, move_params: bool = True, move_grads: bool = True) -> None:
+        """Free the device memory of the buffers while keeping every view object (``main_grad``,
+        ``param.data``): grads are dropped (they are zeroed on reload), params are copied to the CPU
+        first (pinned when they live on an accelerator)."""
+        if move_grads and self.grad_data.untyped_storage().nbytes():
+            self.grad_data_size = self.grad_data.untyped_storage().nbytes()
+            self.grad_data.untyped_storage().resize_(0)
+        if move_params and self.param_data is not None and self.param_data.untyped_storage().nbytes():
+            if self.param_data_cpu is None:
+                pin = self.param_data.device.type != "cpu"
+                self.param_data_cpu = torch.empty(
+                    self.param_data.shape, dtype=self.param_data.dtype, device="cpu", pin_memory=pin
+                )
+            self.param_data_cpu.copy_(self.param_data, non_blocking=False)
+            self.param_data.untyped_storage().resize_(0)
+
+    def reload_from_cpu(self, move_params: bool = True, move_grads: bool = True) -> None:
+        """Undo :meth:`offload_to_cpu`: params get their CPU copy back, grads come back zeroed."""
+        params, saved = self.param_data, self.param_data_cpu
+        offloaded = params is not None and params.untyped_storage().nbytes() == 0
+        if move_params and offloaded and params is not None and saved is not None:
+            params.untyped_storage().resize_(params.numel() * params.element_size())
+            params.copy_(saved)
+        if move_grads and self.grad_data_size:
+            self.grad_data.untyped_storage().resize_(self.grad_data_size)
+            self.grad_data.zero_()
+            self.grad_data_size = 0
+
+
+class _ParamAndGradBuffer(ParamAndGradBuffer):
+    """Megatron-Core's constructor for :class:`ParamAndGradBuffer`, argument for argument.
+
+    ``param_to_name`` and ``pg_collection`` only feed Megatron's logging (names come from
+    ``params_with_names`` here); ``param_indices`` are kept as the buffer's ``param_indices``; ``nccl_ub``
+    must agree with ``ddp_config.nccl_ub``, which gradsync refuses (see the buffers README).
+    """
+
+    def __init__(
+        self,
+        ddp_config: DistributedDataParallelConfig,
+        param_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        params_with_names: Sequence[tuple[Parameter, str]],
+        data_parallel_group: dist.ProcessGroup,
+        bucket_size: int | None,
+        param_to_name: dict[Parameter, str],
+        gradient_scaling_factor: float,
+        param_indices: list[int],
+        nccl_ub: bool,
+        pg_collection: object | None = None,
+        param_layout: PerBufferParamLayout | None = None,
+    ) -> None:
+        if nccl_ub != ddp_config.nccl_ub:
+            raise ValueError(
+                f"_ParamAndGradBuffer: nccl_ub={nccl_ub} but ddp_config.nccl_ub={ddp_config.nccl_ub}; pass "
+                "ddp_config.nccl_ub, as DistributedDataParallel does"
+            )
+        if len(param_indices) != len(params_with_names):
+            raise ValueError(
+                f"_ParamAndGradBuffer: {len(param_indices)} param_indices for {len(params_with_names)} params"
+            )
+        super().__init__(
+            ddp_config,
+            param_dtype,
+            grad_dtype,
+            params_with_names,
+            data_parallel_group,
+            bucket_size,
+            gradient_scaling_factor,
+            param_layout=param_layout,
+        )
+        self.param_indices = list(param_indices)
 
 
 def _refuse_cuda_only_features(

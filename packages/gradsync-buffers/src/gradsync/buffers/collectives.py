@@ -67,8 +67,9 @@ class Launched:
             following().wait()
 
 
-def shard_buffer(buffer: torch.Tensor, num_shards: int) -> list[torch.Tensor]:
-    """``num_shards`` equal contiguous views of a flat buffer."""
+def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> list[torch.Tensor]:
+    """``data_parallel_world_size`` equal contiguous views of a flat buffer (one per DP rank)."""
+    num_shards = data_parallel_world_size
     if buffer.numel() % num_shards:
         raise ValueError(f"buffer of {buffer.numel()} elements does not split into {num_shards} equal shards")
     size = buffer.numel() // num_shards

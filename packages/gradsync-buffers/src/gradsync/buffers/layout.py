@@ -213,7 +213,7 @@ def buffer_key(spec: ParamSpec, grad_reduce_in_fp32: bool) -> BufferKey:
     )
 
 
-def group_params_for_buffers(
+def group_specs_for_buffers(
     specs: Sequence[ParamSpec], grad_reduce_in_fp32: bool
 ) -> dict[BufferKey, list[int]]:
     """Positions of the params of each buffer, buffers ordered by first appearance."""
@@ -221,6 +221,20 @@ def group_params_for_buffers(
     for i, spec in enumerate(specs):
         groups.setdefault(buffer_key(spec, grad_reduce_in_fp32), []).append(i)
     return groups
+
+
+def group_params_for_buffers(
+    params: Sequence[torch.Tensor], grad_reduce_in_fp32: bool
+) -> dict[BufferKey, tuple[list[torch.Tensor], list[int]]]:
+    """Megatron-Core's grouping: per buffer, its params in input order and each one's index within the
+    buffer (0, 1, ... per buffer; gradsync has no quantized storage that would make them differ)."""
+    frozen = [i for i, p in enumerate(params) if not p.requires_grad]
+    if frozen:
+        raise ValueError(f"group_params_for_buffers: params at positions {frozen} do not require grad")
+    grouped = group_specs_for_buffers([ParamSpec.of(p) for p in params], grad_reduce_in_fp32)
+    return {
+        key: ([params[i] for i in members], list(range(len(members)))) for key, members in grouped.items()
+    }
 
 
 @dataclass
@@ -243,7 +257,7 @@ def compute_full_param_layout(
 ) -> FullParamLayout:
     """Group params into buffers and lay out each; expert buffers pad for the expert DP size."""
     full = FullParamLayout()
-    for key, members in group_params_for_buffers(specs, grad_reduce_in_fp32).items():
+    for key, members in group_specs_for_buffers(specs, grad_reduce_in_fp32).items():
         dp = data_parallel_world_size
         if key.is_expert_parallel and expert_data_parallel_world_size is not None:
             dp = expert_data_parallel_world_size

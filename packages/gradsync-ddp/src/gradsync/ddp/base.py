@@ -47,9 +47,18 @@ class _BaseDataParallel(nn.Module):
         """Make every replica's params equal to rank 0's (no-op in the base class)."""
 
     def state_dict(  # type: ignore[override]
-        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+        self, prefix: str = "", keep_vars: bool = False, destination: Any = None
     ) -> dict[str, Any]:
-        return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        """The module's state dict (no ``module.`` prefix), in Megatron's argument order."""
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        """The module's checkpoint state: its own ``state_dict_for_save_checkpoint`` where it has one (as
+        Megatron modules do), else its state dict."""
+        save = getattr(self.module, "state_dict_for_save_checkpoint", None)
+        if save is not None:
+            return save(prefix=prefix, keep_vars=keep_vars)  # type: ignore[no-any-return]
+        return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False

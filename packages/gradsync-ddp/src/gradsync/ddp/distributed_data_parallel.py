@@ -19,7 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.buffers import (
+    PARAM_READY_CALLBACK_ATTR,
     DistributedDataParallelConfig,
+    FullParamLayout,
     build_grad_buffers,
     check_params_match_across_ranks,
     is_expert_parallel,
@@ -30,6 +32,7 @@ from gradsync.groups import ModelParallelConfigProtocol, ProcessGroupCollection
 from gradsync.groups.model_config import describe_model_parallel
 
 from .base import _BaseDataParallel
+from .param_ready import BucketParamReadyCallback
 
 
 def resolve_process_groups(
@@ -75,6 +78,9 @@ def resolve_process_groups(
 class DistributedDataParallel(_BaseDataParallel):
     """DDP wrapper that stores grads in contiguous buffers and reduces them bucket by bucket.
 
+    ``full_param_layout`` (Megatron's training path computes it with
+    ``DistributedOptimizer.compute_full_param_layout`` over the module's trainable params in order) must
+    match how the wrapper groups those params, or construction fails naming the buffer.
     ``unused_parameters`` (gradsync extension) names params known never to receive a grad: they are left
     out of the buffers, and one that does receive a grad raises instead of being silently dropped.
     """
@@ -86,6 +92,7 @@ class DistributedDataParallel(_BaseDataParallel):
         module: nn.Module,
         disable_bucketing: bool = False,
         pg_collection: ProcessGroupCollection | None = None,
+        full_param_layout: FullParamLayout | None = None,
         *,
         unused_parameters: Collection[str] = (),
     ) -> None:
@@ -115,7 +122,9 @@ class DistributedDataParallel(_BaseDataParallel):
             calculate_per_token_loss=getattr(config, "calculate_per_token_loss", False),
             single_bucket=pp_rank > 0,
             disable_bucketing=disable_bucketing,
+            full_param_layout=full_param_layout,
         )
+        self.full_param_layout = full_param_layout
         # Megatron-Core's attribute name; it shadows nn.Module.buffers() on purpose, as the reference does.
         self.buffers = self.grad_buffers.buffers  # type: ignore[assignment,method-assign]
         self.expert_parallel_buffers = self.grad_buffers.expert_parallel_buffers
@@ -147,6 +156,7 @@ class DistributedDataParallel(_BaseDataParallel):
         self.use_forward_hook = ddp_config.overlap_param_gather
         self.remove_forward_pre_hook_handles: dict[nn.Module, Any] = {}
         self.overlap_param_gather_with_optimizer_step = False
+        self._set_param_ready_callbacks()
         if self.use_forward_hook:
             self.enable_forward_pre_hook()
 
@@ -191,13 +201,28 @@ class DistributedDataParallel(_BaseDataParallel):
         for module in self.module.modules():
             module.register_load_state_dict_post_hook(loaded)  # type: ignore[no-untyped-call]
 
+    def _set_param_ready_callbacks(self) -> None:
+        """With overlap_param_gather, let ``ensure_params_ready`` finish a param's gather on demand (one
+        callback per bucket group); otherwise drop callbacks a previous wrapper left on the params."""
+        for group in self.grad_buffers.all_bucket_groups:
+            callback = BucketParamReadyCallback(self, group) if self.ddp_config.overlap_param_gather else None
+            for param in group.params:
+                if callback is not None:
+                    setattr(param, PARAM_READY_CALLBACK_ATTR, callback)
+                elif hasattr(param, PARAM_READY_CALLBACK_ATTR):
+                    delattr(param, PARAM_READY_CALLBACK_ATTR)
+
+    def _finish_param_sync_for_bucket_group(self, group: ParamAndGradBucketGroup) -> None:
+        """Wait for ``group``'s gather; start the next group's unless the schedule says it is aligned."""
+        skip = self.ddp_config.align_param_gather or self.overlap_param_gather_with_optimizer_step
+        group.finish_param_sync(skip_next_bucket_dispatch=skip)
+
     def _make_forward_pre_hook(self) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, _: Any) -> None:
-            skip = self.ddp_config.align_param_gather or self.overlap_param_gather_with_optimizer_step
             for param in module.parameters(recurse=False):
                 group = self.param_to_bucket_group.get(param)
                 if group is not None:
-                    group.finish_param_sync(skip_next_bucket_dispatch=skip)
+                    self._finish_param_sync_for_bucket_group(group)
 
         return hook
 
@@ -277,12 +302,52 @@ class DistributedDataParallel(_BaseDataParallel):
             return
         self.grad_buffers.start_param_sync(force_sync)
 
+    def reset_param_sync_dispatch_state(self) -> None:
+        """Forget that param gathers were dispatched (the optimizer changed the shards again), so the next
+        forward gathers anew. Refused while a gather is in flight: its result would be lost."""
+        for group in self.grad_buffers.all_bucket_groups:
+            if group.param_gather_handle is not None:
+                raise RuntimeError(
+                    "Cannot reset parameter all-gather dispatch state while an asynchronous parameter "
+                    "all-gather is still in flight; call finish_param_sync (or run the forward) first"
+                )
+        for group in self.grad_buffers.all_bucket_groups:
+            group.param_gather_dispatched = False
+
+    def free_overlap_buffers(self) -> None:
+        """Finish every param gather still in flight and drop its handle."""
+        for group in self.grad_buffers.all_bucket_groups:
+            group.free_overlap_buffers()
+
+    def offload_grad_buffers(self, synchronize: bool = True, empty_cache: bool = True) -> None:
+        """Give the grad buffers' device memory back (between training phases, say); every ``main_grad``
+        view survives and reads as zeros after :meth:`restore_grad_buffers`."""
+        device = self.grad_buffers.all_buffers[0].device if self.grad_buffers.all_buffers else None
+        if synchronize:
+            _synchronize(device)
+        for buffer in self.grad_buffers.all_buffers:
+            buffer.offload_to_cpu(move_params=False, move_grads=True)
+        if empty_cache and device is not None and device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def restore_grad_buffers(self, synchronize: bool = True) -> None:
+        """Re-allocate the grad buffers freed by :meth:`offload_grad_buffers`, zeroed."""
+        for buffer in self.grad_buffers.all_buffers:
+            buffer.reload_from_cpu(move_params=False, move_grads=True)
+        if synchronize and self.grad_buffers.all_buffers:
+            _synchronize(self.grad_buffers.all_buffers[0].device)
+
     def broadcast_params(self) -> None:
         """Copy rank 0's params (frozen ones too) to every data-parallel replica."""
         for param in self.module.parameters():
             group = self.pg_collection.expt_dp if is_expert_parallel(param) else self.pg_collection.dp_cp
             assert group is not None
             dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
+
+
+def _synchronize(device: torch.device | None) -> None:
+    if device is not None and device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 def _refuse_grad(name: str) -> Callable[[torch.Tensor], None]:

@@ -20,7 +20,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from gradsync.buffers import ParamAndGradBuffer
+from gradsync.buffers import (
+    DistributedDataParallelConfig,
+    FullParamLayout,
+    ParamAndGradBuffer,
+    ParamSpec,
+    compute_full_param_layout,
+)
 
 from .distributed_data_parallel import DistributedDataParallel
 from .optimizer_state import gather_state, load_state, merge_shards, shard_state
@@ -123,6 +129,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
         self._model_versions = self._current_model_versions()
         self._built = True
+
+    @staticmethod
+    def compute_full_param_layout(
+        params: Sequence[torch.Tensor],
+        bucket_size: int | None,
+        data_parallel_world_size: int,
+        ddp_config: DistributedDataParallelConfig,
+        expert_data_parallel_world_size: int | None = None,
+    ) -> FullParamLayout:
+        """The padded layout of every buffer DistributedDataParallel will build for ``params`` (its
+        trainable params in ``named_parameters()`` order), for its ``full_param_layout`` argument; expert
+        buffers pad for the expert DP size."""
+        return compute_full_param_layout(
+            [ParamSpec.of(p) for p in params],
+            bucket_size,
+            grad_reduce_in_fp32=ddp_config.grad_reduce_in_fp32,
+            padded=True,
+            data_parallel_world_size=data_parallel_world_size,
+            expert_data_parallel_world_size=expert_data_parallel_world_size,
+            pad_for_high_nccl_busbw=ddp_config.pad_buckets_for_high_nccl_busbw,
+        )
 
     def _owned_ranges(self, buffer: ParamAndGradBuffer) -> list[tuple[int, tuple[int, int]]]:
         """(param index, element range) of what this rank steps: its shard of each bucket, or all."""
