@@ -7,6 +7,7 @@ gradsync-ddp nor gradsync-fsdp.
 
 from .finalize import finalize_model_grads, get_model_config
 from .protocol import EmbeddingOwner, FinalizableChunk, GradSyncConfig
+from .reductions import reset_model_temporary_tensors
 from .version import __version__
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "__version__",
     "finalize_model_grads",
     "get_model_config",
+    "reset_model_temporary_tensors",
 ]

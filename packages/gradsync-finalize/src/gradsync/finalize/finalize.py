@@ -21,9 +21,11 @@ from . import reductions
 from .protocol import find_attribute_owner
 
 
-def get_model_config(chunk: Any) -> Any:
-    """The model config (``config`` attribute) of a chunk or of the module it wraps."""
-    return find_attribute_owner(chunk, "config").config
+def get_model_config(model: Any) -> Any:
+    """The model config (``config`` attribute) of a model chunk or of the module it wraps.
+
+    The parameter is named ``model`` as in Megatron's ``get_model_config``, so keyword calls carry over."""
+    return find_attribute_owner(model, "config").config
 
 
 def _size_of(config: Any, name: str) -> int:
@@ -103,6 +105,6 @@ def finalize_model_grads(
     if getattr(config, "moe_router_enable_expert_bias", False):
         assert groups.tp_dp_cp is not None  # checked by resolve_groups
         reductions.update_router_expert_bias(model, config, groups.tp_dp_cp)
-    reductions.reset_model_temporary_tensors(model, config)
+    reductions.reset_model_temporary_tensors(config, model)
     if num_tokens is not None:
         reductions.scale_by_token_count(model, num_tokens, groups.pp, groups.dp_cp)

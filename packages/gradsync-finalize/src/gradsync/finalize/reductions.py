@@ -186,8 +186,11 @@ def update_router_expert_bias(
             router.expert_bias.copy_(bias)
 
 
-def reset_model_temporary_tensors(model: Sequence[nn.Module], config: Any) -> None:
-    """Zero the routers' token counts and reset global aux-loss trackers after every step."""
+def reset_model_temporary_tensors(config: Any, model: Sequence[nn.Module]) -> None:
+    """Zero the routers' token counts and reset global aux-loss trackers after every step.
+
+    Public with Megatron's argument order (config first): Megatron also calls it on its own, to clear
+    what a CUDA-graph capture left in the routers, and such code works unchanged."""
     balancing = getattr(config, "moe_router_load_balancing_type", "")
     kinds = balancing if isinstance(balancing, list) else [balancing]
     global_aux = any("global_aux_loss" in kind for kind in kinds)

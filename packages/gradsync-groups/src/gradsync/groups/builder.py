@@ -50,13 +50,82 @@ _GTP_ALIASES = {
 }
 
 
+# Megatron keywords whose only supported value is Megatron's default: name -> (default, why and the fix).
+_DEFAULT_ONLY: dict[str, tuple[object, str]] = {
+    "use_sharp": (False, "SHARP (NCCL CollNet) is not set up; pass use_sharp=False"),
+    "sharp_enabled_group": (None, "SHARP (NCCL CollNet) is not set up; pass sharp_enabled_group=None"),
+    "hybrid_context_parallel": (
+        False,
+        "hybrid dp x cp groups are not built; pass hybrid_context_parallel=False",
+    ),
+    "gtp_remat_size": (
+        1,
+        "GTP weight rematerialisation has no axis in gradsync's layout; pass gtp_remat_size=1",
+    ),
+    "expert_gtp_remat_size": (
+        1,
+        "expert GTP weight rematerialisation has no axis in gradsync's layout; pass expert_gtp_remat_size=1",
+    ),
+    "nccl_communicator_config_path": (
+        None,
+        "per-group NCCL options are not applied; pass None (NCCL_MIN_CTAS, NCCL_MAX_CTAS and "
+        "NCCL_CGA_CLUSTER_SIZE in the environment set them for every communicator)",
+    ),
+    "high_priority_stream_groups": (
+        None,
+        "groups are created without NCCL options, so none gets a high-priority stream; pass None",
+    ),
+    "rank_offset": (
+        0,
+        "groups always span the whole default group; pass 0 and initialise torch.distributed over just "
+        "the ranks to lay out",
+    ),
+    "local_world_size": (
+        None,
+        "groups always span the whole default group; pass None and initialise torch.distributed over just "
+        "the ranks to lay out",
+    ),
+}
+
+
+def _refuse_unsupported(**values: object) -> None:
+    """Refuse a Megatron option gradsync does not implement, on every rank alike and before any group
+    exists, rather than build groups that silently lack what the option asks for."""
+    for name, value in values.items():
+        default, fix = _DEFAULT_ONLY[name]
+        if value != default:
+            raise NotImplementedError(
+                f"initialize_model_parallel: {name}={value!r} is not supported by gradsync: {fix}"
+            )
+
+
+def _check_pipeline_backend(backend: str | None) -> None:
+    """Megatron's pipeline backends are the default, NCCL and UCC; gradsync does the first two."""
+    if backend == "ucc":
+        raise NotImplementedError(
+            "initialize_model_parallel: pipeline_model_parallel_comm_backend='ucc' is not supported by "
+            "gradsync: Megatron also sets UCC/UCX environment variables for it, which gradsync does not. "
+            "Set them yourself and call build_process_groups(layout, "
+            "pipeline_model_parallel_comm_backend='ucc'), or pass None"
+        )
+    if backend not in (None, "nccl"):
+        raise ValueError(
+            f"initialize_model_parallel: pipeline_model_parallel_comm_backend={backend!r} is not a "
+            "pipeline backend; pass None (the default group's backend) or 'nccl'"
+        )
+
+
 def _new_groups(
-    all_groups: Sequence[Sequence[int]], rank: int, timeout: timedelta | None, desc: str
+    all_groups: Sequence[Sequence[int]],
+    rank: int,
+    timeout: timedelta | None,
+    desc: str,
+    backend: str | None = None,
 ) -> dist.ProcessGroup | None:
     """Create each group (collectively) and return the one holding ``rank``."""
     mine = None
     for ranks in all_groups:
-        group = dist.new_group(ranks=list(ranks), timeout=timeout, group_desc=desc)
+        group = dist.new_group(ranks=list(ranks), timeout=timeout, backend=backend, group_desc=desc)
         if rank in ranks:
             mine = group
     return mine
@@ -67,11 +136,14 @@ def build_process_groups(
     *,
     timeout: timedelta | None = None,
     create_all_gather_groups: bool = False,
+    pipeline_model_parallel_comm_backend: str | None = None,
 ) -> ProcessGroupCollection:
     """Create the groups of ``layout`` on the initialised default group and return this rank's ones.
 
     ``create_all_gather_groups`` adds separate communicators over the dp_cp and expt_dp ranks
     (``dp_cp_ag``/``expt_dp_ag``) so param all-gathers can overlap grad reductions.
+    ``pipeline_model_parallel_comm_backend`` is the backend of the ``pp`` groups (None: the default
+    group's), so pipeline traffic can run on a different transport from the gradient reductions.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -91,7 +163,8 @@ def build_process_groups(
         if alias is not None and layout.groups[kind] == layout.groups[alias]:
             created[kind] = created[alias]
         else:
-            created[kind] = _new_groups(layout.groups[kind], rank, timeout, kind)
+            backend = pipeline_model_parallel_comm_backend if kind == "pp" else None
+            created[kind] = _new_groups(layout.groups[kind], rank, timeout, kind, backend)
     for kind, target in _GTP_ALIASES.items():
         created[kind] = created[target]
     if layout.hcp:
@@ -108,22 +181,51 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
     *,
+    pipeline_model_parallel_comm_backend: str | None = None,
+    use_sharp: bool = False,
     context_parallel_size: int = 1,
     hierarchical_context_parallel_sizes: Sequence[int] | None = None,
+    hybrid_context_parallel: bool = False,
     expert_model_parallel_size: int = 1,
+    gtp_remat_size: int = 1,
+    expert_gtp_remat_size: int = 1,
     num_distributed_optimizer_instances: int = 1,
     expert_tensor_parallel_size: int | None = None,
+    nccl_communicator_config_path: str | None = None,
     distributed_timeout_minutes: float = 30,
     order: str = DEFAULT_ORDER,
     get_embedding_ranks: EmbeddingRanksFn | None = None,
     get_position_embedding_ranks: EmbeddingRanksFn | None = None,
+    create_gloo_process_groups: bool = True,
+    high_priority_stream_groups: Sequence[str] | None = None,
+    sharp_enabled_group: str | None = None,
+    rank_offset: int = 0,
+    local_world_size: int | None = None,
     create_all_gather_groups: bool = False,
 ) -> ProcessGroupCollection:
     """Megatron's ``initialize_model_parallel``, returning the collection instead of setting globals.
 
-    The layout is validated before any group is created, so a bad size fails on every rank alike and
-    nothing hangs. Release the groups with :func:`destroy_process_groups`.
+    Every Megatron argument is accepted, with its name, order and default; after the first three they are
+    keyword-only (Megatron's own callers pass them by keyword). Options gradsync does not implement
+    (SHARP, hybrid CP, GTP, NCCL communicator configs, high-priority streams, rank offsets, the UCC
+    pipeline backend) raise for any value but the default. ``create_gloo_process_groups`` is accepted
+    either way: gradsync never creates gloo twins of the groups, nothing here would read them.
+
+    Arguments and the layout are validated before any group is created, so a bad value fails on every
+    rank alike and nothing hangs. Release the groups with :func:`destroy_process_groups`.
     """
+    _refuse_unsupported(
+        use_sharp=use_sharp,
+        sharp_enabled_group=sharp_enabled_group,
+        hybrid_context_parallel=hybrid_context_parallel,
+        gtp_remat_size=gtp_remat_size,
+        expert_gtp_remat_size=expert_gtp_remat_size,
+        nccl_communicator_config_path=nccl_communicator_config_path,
+        high_priority_stream_groups=high_priority_stream_groups or None,
+        rank_offset=rank_offset,
+        local_world_size=local_world_size,
+    )
+    _check_pipeline_backend(pipeline_model_parallel_comm_backend)
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialized: call torch.distributed.init_process_group before "
@@ -147,6 +249,7 @@ def initialize_model_parallel(
         layout,
         timeout=timedelta(minutes=distributed_timeout_minutes),
         create_all_gather_groups=create_all_gather_groups,
+        pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend,
     )
 
 

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
 
 @runtime_checkable
 class ModelParallelConfigProtocol(Protocol):
@@ -63,6 +65,10 @@ class ModelParallelConfig:
     """Timers put a barrier before L1 timings."""
     timers: Callable[..., Any] | None = None
     """Megatron-style timers callable, or None to time nothing."""
+    pipeline_dtype: torch.dtype | None = None
+    """dtype of the tensors sent between pipeline stages (Megatron requires it with pipeline parallelism).
+    Here so Megatron code that sets or reads it finds it; nothing in gradsync reads it yet, nor requires
+    it: gradsync does no pipeline p2p communication."""
 
 
 MODEL_PARALLEL_SIZE_FIELDS = (

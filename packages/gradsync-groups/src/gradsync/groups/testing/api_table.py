@@ -40,10 +40,12 @@ def signature_mismatches(
     func: Callable[..., Any],
     megatron: Sequence[tuple[str, Any]],
     extra: Sequence[str] = (),
+    keyword_only_from: str | None = None,
 ) -> list[str]:
     """What differs between ``func``'s parameters (``self`` left out) and ``megatron``: ``(name, default)``
     pairs in order (REQUIRED for none; ``"*unused"`` for a var-positional), allowing the parameters named
-    in ``extra`` after them."""
+    in ``extra`` after them (each with a default: Megatron callers never pass it) and, as a listed
+    deviation, Megatron's parameters from ``keyword_only_from`` on taken by keyword only."""
     params = [p for p in inspect.signature(func).parameters.values() if p.name != "self"]
     ours = [_KIND_PREFIX.get(p.kind, "") + p.name for p in params]
     wanted = [name for name, _ in megatron]
@@ -51,7 +53,11 @@ def signature_mismatches(
     if ours[: len(wanted)] != wanted:
         problems.append(f"parameters {ours[: len(wanted)]} where Megatron has {wanted}")
         return problems
-    for param, (name, default), kind in zip(params, megatron, _expected_kinds(wanted), strict=False):
+    kinds = _expected_kinds(wanted)
+    if keyword_only_from is not None:
+        start = wanted.index(keyword_only_from)
+        kinds[start:] = [inspect.Parameter.KEYWORD_ONLY] * (len(kinds) - start)
+    for param, (name, default), kind in zip(params, megatron, kinds, strict=False):
         if param.kind is not kind:
             problems.append(f"{name} is {param.kind.description} where Megatron's is {kind.description}")
         if param.kind not in _KIND_PREFIX and param.default != default:
@@ -59,4 +65,7 @@ def signature_mismatches(
     unexpected = [name for name in ours[len(wanted) :] if name not in extra]
     if unexpected:
         problems.append(f"extra parameters {unexpected} not listed as deviations")
+    required = [p.name for p in params[len(wanted) :] if p.default is REQUIRED and p.kind not in _KIND_PREFIX]
+    if required:
+        problems.append(f"extra parameters {required} have no default, so Megatron's calls would fail")
     return problems
