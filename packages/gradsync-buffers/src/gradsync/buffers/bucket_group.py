@@ -196,9 +196,9 @@ class ParamAndGradBucketGroup:
             for bucket in self.buckets:
                 target = bucket.grad_data
                 if reduce_scatter:
-                    target = collectives.shard_buffer(target, self.collective_group_size)[
-                        self.collective_group_rank
-                    ]
+                    target = collectives.shard_of(
+                        target, self.collective_group_size, self.collective_group_rank
+                    )
                 records.append(self._record("all_reduce", target, inter))
                 launched.extend(collectives.all_reduce(target, inter, average=average))
             launched.after.append(lambda: CommStats.end(records))

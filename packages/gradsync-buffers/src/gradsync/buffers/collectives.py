@@ -67,13 +67,22 @@ class Launched:
             following().wait()
 
 
-def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> list[torch.Tensor]:
-    """``data_parallel_world_size`` equal contiguous views of a flat buffer (one per DP rank)."""
-    num_shards = data_parallel_world_size
+def _shard_size(buffer: torch.Tensor, num_shards: int) -> int:
     if buffer.numel() % num_shards:
         raise ValueError(f"buffer of {buffer.numel()} elements does not split into {num_shards} equal shards")
-    size = buffer.numel() // num_shards
-    return [buffer[r * size : (r + 1) * size] for r in range(num_shards)]
+    return buffer.numel() // num_shards
+
+
+def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> list[torch.Tensor]:
+    """``data_parallel_world_size`` equal contiguous views of a flat buffer (one per DP rank)."""
+    size = _shard_size(buffer, data_parallel_world_size)
+    return [buffer[r * size : (r + 1) * size] for r in range(data_parallel_world_size)]
+
+
+def shard_of(buffer: torch.Tensor, data_parallel_world_size: int, rank: int) -> torch.Tensor:
+    """``rank``'s view of :func:`shard_buffer` without building the others (O(1) at any DP size)."""
+    size = _shard_size(buffer, data_parallel_world_size)
+    return buffer[rank * size : (rank + 1) * size]
 
 
 def _reduce_op(
@@ -115,7 +124,7 @@ def reduce_scatter(
     ``via_all_reduce`` overrides the backend's choice of path (for benchmarks and tests).
     """
     size, rank = group.size(), group.rank()
-    shard = shard_buffer(bucket, size)[rank]
+    shard = shard_of(bucket, size, rank)
     op, divide = _reduce_op(group, bucket.device, average)
     if via_all_reduce is None:
         caps = get_backend_capabilities(group, bucket.device)
@@ -125,7 +134,7 @@ def reduce_scatter(
         launched = Launched([dist.all_reduce(copy, op=op, group=group, async_op=True)])
 
         def keep_own_shard() -> None:
-            shard.copy_(shard_buffer(copy, size)[rank])
+            shard.copy_(shard_of(copy, size, rank))
 
         launched.after.append(keep_own_shard)
     else:
@@ -143,16 +152,15 @@ def all_gather_shards(
     ``via_broadcasts`` overrides the backend's choice of path (for benchmarks and tests).
     """
     size, rank = group.size(), group.rank()
-    shards = shard_buffer(bucket, size)
     if via_broadcasts is None:
         caps = get_backend_capabilities(group, bucket.device)
         via_broadcasts = caps.all_gather_via_broadcasts or not caps.all_gather_into_tensor
-    if via_broadcasts:
-        ranks = dist.get_process_group_ranks(group)
+    if via_broadcasts:  # one broadcast per rank: the views are needed anyway
+        shards, ranks = shard_buffer(bucket, size), dist.get_process_group_ranks(group)
         return Launched(
             [dist.broadcast(shards[r], src=ranks[r], group=group, async_op=True) for r in range(size)]
         )
-    return Launched([dist_all_gather_func(bucket, shards[rank], group=group, async_op=True)])
+    return Launched([dist_all_gather_func(bucket, shard_of(bucket, size, rank), group=group, async_op=True)])
 
 
 class _FP32AccumulationWork:
@@ -213,6 +221,6 @@ def reduce_scatter_with_fp32_accumulation(
 
 def reduce_scatter_fp32_accumulated(bucket: torch.Tensor, group: dist.ProcessGroup) -> Launched:
     """:func:`reduce_scatter` semantics, accumulated in fp32 (SUM only)."""
-    shard = shard_buffer(bucket, group.size())[group.rank()]
+    shard = shard_of(bucket, group.size(), group.rank())
     work = reduce_scatter_with_fp32_accumulation(shard, bucket, dist.ReduceOp.SUM, group, async_op=True)
     return Launched([work])

@@ -111,15 +111,21 @@ class PerBufferParamLayout:
     per_bucket_numel_unpadded: list[int] = field(default_factory=list)
     param_indices: list[int] = field(default_factory=list)
     num_optimizer_shards: int | None = None
+    _by_bucket: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def numel(self) -> int:
         return self.bucket_indices[-1][1] if self.bucket_indices else 0
 
     def bucket_params(self, bucket_id: int) -> list[int]:
-        """Params of a bucket in layout order (reverse registration order)."""
-        members = [i for i, (_, _, b) in self.param_index_map.items() if b == bucket_id]
-        return sorted(members, key=lambda i: self.param_index_map[i][0])
+        """Params of a bucket in layout order (reverse registration order). The split into buckets is
+        computed once, in O(P log P), on first use: a layout is not changed once built."""
+        if self._by_bucket is None:
+            by_bucket: list[list[int]] = [[] for _ in self.bucket_indices]
+            for i in sorted(self.param_index_map, key=lambda i: self.param_index_map[i][0]):
+                by_bucket[self.param_index_map[i][2]].append(i)
+            self._by_bucket = by_bucket
+        return self._by_bucket[bucket_id]
 
     def shard_range(self, bucket_id: int, rank: int, num_shards: int) -> tuple[int, int]:
         """Buffer range of ``rank``'s shard of a bucket; shards are equal and contiguous."""

@@ -11,6 +11,7 @@ ranks hold the same experts) compares them in full.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -68,16 +69,21 @@ def check_params_match_across_ranks(
 
 
 def _check(mine: list[ParamSignature], group: dist.ProcessGroup, kind: str, who: str) -> None:
-    everyone: list[list[ParamSignature] | None] = [None] * group.size()
-    dist.all_gather_object(everyone, mine, group=group)
+    """Gather one digest per rank (O(DP), not every rank's list: O(DP x P)); only when they differ are the
+    lists of group rank 0 and of the first differing rank broadcast, to name the difference."""
+    digests: list[str | None] = [None] * group.size()
+    dist.all_gather_object(digests, hashlib.sha256(repr(mine).encode()).hexdigest(), group=group)
+    odd = next((r for r, digest in enumerate(digests) if digest != digests[0]), None)
+    if odd is None:
+        return
     ranks = dist.get_process_group_ranks(group)
-    reference = everyone[0]
-    assert reference is not None
-    for position, theirs in enumerate(everyone[1:], start=1):
-        assert theirs is not None
-        if theirs != reference:
-            raise ValueError(
-                f"{who}: the model differs between {kind} ranks {ranks[0]} and "
-                f"{ranks[position]}: {_first_difference(reference, theirs)}. Every {kind} rank must wrap the "
-                "same parameters (names, shapes, dtypes, requires_grad)."
-            )
+    reference, theirs = ([mine if group.rank() == r else None] for r in (0, odd))
+    dist.broadcast_object_list(reference, src=ranks[0], group=group)
+    dist.broadcast_object_list(theirs, src=ranks[odd], group=group)
+    assert reference[0] is not None
+    assert theirs[0] is not None
+    raise ValueError(
+        f"{who}: the model differs between {kind} ranks {ranks[0]} and {ranks[odd]}: "
+        f"{_first_difference(reference[0], theirs[0])}. Every {kind} rank must wrap the same parameters "
+        "(names, shapes, dtypes, requires_grad)."
+    )
