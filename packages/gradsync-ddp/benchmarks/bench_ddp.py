@@ -1,10 +1,12 @@
 """Benchmark (not a test): gradsync DDP against torch DDP and the compute floor, in one run.
 
-    python benchmarks/bench_ddp.py [--worlds 2 4] [--steps 6]
+    python benchmarks/bench_ddp.py [--worlds 2 4] [--steps 6] [--model gpt|tiny-params]
 
-A ~23M-parameter GPT, fp32, on gloo ranks of this machine. The compute floor is the same model and
-per-rank batch in one process with the same per-rank thread share and no communication; every step time
-is also given as a ratio to it. Columns break a step into forward+backward, the wait in
+``gpt``: a ~23M-parameter GPT, fp32, on gloo ranks of this machine. ``tiny-params`` (``nox -s
+bench-overhead``): 10,000 params of 4 elements and next to no compute, so a step is the wrappers' own
+per-param and per-bucket work. The compute floor is the same model and per-rank batch in one process with
+the same per-rank thread share and no communication; every step time is also given as a ratio to it and
+as the overhead over it in microseconds. Columns break a step into forward+backward, the wait in
 finish_grad_sync, and the optimizer step (which includes the distributed optimizer's param gather).
 """
 
@@ -26,6 +28,7 @@ from torch import nn
 
 from gradsync.buffers import DistributedDataParallelConfig
 from gradsync.ddp import DistributedDataParallel, DistributedOptimizer
+from gradsync.ddp import __version__ as ddp_version
 from gradsync.groups import ModelParallelConfig
 from gradsync.groups.testing import run_distributed
 
@@ -63,6 +66,31 @@ class GPT(nn.Module):
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
+class ManyTinyParams(nn.Module):
+    """Many 4-element params and almost no arithmetic: what is left of a step is bookkeeping."""
+
+    def __init__(self, count: int = 10_000) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(4)) for _ in range(count))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.stack(list(self.weights)) * x).sum()
+
+
+def gpt_batch(generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+
+
+def tiny_batch(generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(4, generator=generator)
+
+
+MODELS: dict[str, tuple[type[nn.Module], Any]] = {
+    "gpt": (GPT, gpt_batch),
+    "tiny-params": (ManyTinyParams, tiny_batch),
+}
+
+
 @contextmanager
 def timed(into: list[float]) -> Iterator[None]:
     start = time.perf_counter()
@@ -70,9 +98,10 @@ def timed(into: list[float]) -> Iterator[None]:
     into.append(time.perf_counter() - start)
 
 
-def run_variant(variant: str, steps: int, threads: int) -> dict[str, float]:
+def run_variant(variant: str, steps: int, threads: int, model_name: str = "gpt") -> dict[str, float]:
     torch.set_num_threads(threads)
-    model = GPT()
+    model_class, make_batch = MODELS[model_name]
+    model = model_class()
     sync: Any = None
     if variant == "torch DDP":
         wrapped: nn.Module = torch.nn.parallel.DistributedDataParallel(
@@ -98,7 +127,7 @@ def run_variant(variant: str, steps: int, threads: int) -> dict[str, float]:
     updates: list[float] = []
     totals: list[float] = []
     for step in range(steps + 2):
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+        tokens = make_batch(generator)
         start = time.perf_counter()
         if sync is not None:
             sync.zero_grad_buffer()
@@ -112,7 +141,8 @@ def run_variant(variant: str, steps: int, threads: int) -> dict[str, float]:
             optimizer.step()
         totals.append(time.perf_counter() - start)
         if step < 2:  # warm-up
-            compute.clear(), waits.clear(), updates.clear(), totals.clear()
+            for samples in (compute, waits, updates, totals):
+                samples.clear()
     return {
         "step": statistics.median(totals),
         "compute": statistics.median(compute),
@@ -136,26 +166,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2])
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--model", choices=list(MODELS), default="gpt")
     args = parser.parse_args()
-    params = sum(p.numel() for p in GPT().parameters())
+    model = MODELS[args.model][0]()
+    params = sum(p.numel() for p in model.parameters())
+    tensors = len(list(model.parameters()))
     cores = os.cpu_count() or 1
-    print(f"model: {params / 1e6:.1f}M params, fp32, batch {BATCH}x{SEQ} tokens per rank, {cores} cores")
+    print(f"model {args.model}: {tensors} params, {params / 1e6:.2f}M elements, fp32, {cores} cores")
+    print(f"torch {torch.__version__}, gradsync-ddp {ddp_version}")
     for world in args.worlds:
         threads = max(1, cores // world)
-        floor = run_distributed(run_variant, 1, args=("floor", args.steps, threads), reuse=False)[0]
+        floor = run_distributed(run_variant, 1, args=("floor", args.steps, threads, args.model), reuse=False)[
+            0
+        ]
         print(f"\n{world} ranks ({threads} thread(s) each); floor = 1 rank, same batch, no communication\n")
-        columns = ["variant", "step ms", "x floor", "fwd+bwd ms", "grad-sync wait ms", "optimizer ms"]
-        print("| " + " | ".join([*columns, "peak RSS MB", "x floor RSS"]) + " |")
-        print("|---|---|---|---|---|---|---|---|")
+        columns = ["variant", "step ms", "x floor", "overhead us", "fwd+bwd ms", "grad-sync wait ms"]
+        print("| " + " | ".join([*columns, "optimizer ms", "peak RSS MB", "x floor RSS"]) + " |")
+        print("|---|---|---|---|---|---|---|---|---|")
         rows = [("compute floor", floor)]
         for variant in VARIANTS:
             results = run_distributed(
-                run_variant, world, args=(variant, args.steps, threads), reuse=False, timeout=1200
+                run_variant, world, args=(variant, args.steps, threads, args.model), reuse=False, timeout=1200
             )
             rows.append((variant, max(results, key=lambda r: r["step"])))
         for name, r in rows:
-            cells = [name, f"{r['step'] * 1e3:.0f}", f"{r['step'] / floor['step']:.3f}"]
-            cells += [f"{r[k] * 1e3:.0f}" for k in ("compute", "wait", "update")]
+            cells = [name, f"{r['step'] * 1e3:.1f}", f"{r['step'] / floor['step']:.3f}"]
+            cells += [f"{(r['step'] - floor['step']) * 1e6:.0f}"]
+            cells += [f"{r[k] * 1e3:.1f}" for k in ("compute", "wait", "update")]
             cells += [f"{r['rss_mb']:.0f}", f"{r['rss_mb'] / floor['rss_mb']:.2f}"]
             print("| " + " | ".join(cells) + " |")
 
