@@ -273,3 +273,33 @@ def test_each_step_reads_fresh_grads_even_without_optimizer_zero_grad() -> None:
     with_zero_grad = run_distributed(steps_without_optimizer_zero_grad, 2, args=(True,))[0]
     without = run_distributed(steps_without_optimizer_zero_grad, 2, args=(False,))[0]
     assert torch.equal(with_zero_grad, without)
+
+
+def main_param_storage(sharded: bool) -> dict[str, bool]:
+    config = DistributedDataParallelConfig(
+        use_distributed_optimizer=sharded, overlap_grad_reduce=True, bucket_size=700
+    )
+    trainer = Trainer.build(config, "adamw")
+    if not sharded:  # the fp32-main-params recipe without sharding
+        trainer.optimizer = DistributedOptimizer(
+            make_optimizer("adamw", trainer.ddp.parameters()), trainer.ddp
+        )
+    opt = trainer.optimizer
+    buckets = sum(len(b.buckets) for b in trainer.ddp.grad_buffers.all_buffers)
+
+    def inside(view: torch.Tensor | None, flat: torch.Tensor) -> bool:
+        return view is not None and view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+    trainer.step(0, dist.get_rank(), dist.get_world_size(), 1)
+    return {
+        "one_pair_per_bucket": len(opt.shards) == buckets > 1,
+        "mains_are_views": all(inside(p.main, s.main) for s in opt.shards for p in s.pieces),
+        "grads_are_views": all(inside(p.main.grad, s.grad) for s in opt.shards for p in s.pieces),
+        "every_param_owned": {p.name for p in opt.pieces} <= set(opt.param_names.values()),
+    }
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "unsharded"])
+def test_main_params_and_grads_are_one_flat_pair_per_bucket(sharded: bool) -> None:
+    for result in run_distributed(main_param_storage, 2, args=(sharded,)):
+        assert all(result.values()), result

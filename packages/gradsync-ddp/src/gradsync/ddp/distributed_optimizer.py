@@ -12,43 +12,23 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.nn.utils import get_total_norm
 
 from gradsync.buffers import (
     DistributedDataParallelConfig,
     FullParamLayout,
-    ParamAndGradBuffer,
     ParamSpec,
     compute_full_param_layout,
 )
 
 from .distributed_data_parallel import DistributedDataParallel
+from .main_shards import ShardPiece, build_bucket_shards
 from .optimizer_state import gather_state, load_state, merge_shards, shard_state
-
-
-@dataclass
-class ShardPiece:
-    """One param's slice owned by this rank, and the fp32 main param that stands for it."""
-
-    name: str
-    param: nn.Parameter
-    main: nn.Parameter
-    param_range: tuple[int, int]
-    buffer_key: int
-    group: dist.ProcessGroup
-
-    def model_slice(self) -> torch.Tensor:
-        return self.param.data.view(-1)[self.param_range[0] : self.param_range[1]]
-
-    def grad_slice(self) -> torch.Tensor:
-        main_grad: torch.Tensor = self.param.main_grad  # type: ignore[attr-defined]
-        return main_grad.view(-1)[self.param_range[0] : self.param_range[1]]
 
 
 def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -98,18 +78,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if missing:
             raise ValueError(f"the optimizer does not hold these trainable params: {sorted(missing)}")
 
-        self.pieces: list[ShardPiece] = []
+        self.shards = build_bucket_shards(self.buffers, self.sharded, self.param_names)
+        self.pieces: list[ShardPiece] = [piece for shard in self.shards for piece in shard.pieces]
         pieces_by_group: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
-        for key, buffer in enumerate(self.buffers):
-            for index, (start, end) in self._owned_ranges(buffer):
-                param = buffer.params[index]
-                main = nn.Parameter(param.detach().view(-1)[start:end].clone().float())
-                self.pieces.append(
-                    ShardPiece(
-                        self.param_names[param], param, main, (start, end), key, buffer.data_parallel_group
-                    )
-                )
-                pieces_by_group[group_of[param]].append(main)
+        for piece in self.pieces:
+            pieces_by_group[group_of[piece.param]].append(piece.main)
         # Groups stay index-aligned with the given optimizer's, even where this rank owns nothing of one.
         new_groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": mains}
@@ -125,8 +98,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.norm_group = pg.intra_dist_opt or dist.group.WORLD
         self.tp_group = pg.tp
         self.pp_group = pg.pp
-        self._grads_loaded = False  # main grads read from main_grad for the current step
+        self._grads_loaded = False  # main grads read from the grad buffers for the current step
         self._device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
+        self._norm_grads = [
+            p.main.grad
+            for p in self.pieces
+            if p.main.grad is not None and p.main.numel() and self._counted_in_norm(p)
+        ]
         self._model_versions = self._current_model_versions()
         self._built = True
 
@@ -151,17 +129,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             pad_for_high_nccl_busbw=ddp_config.pad_buckets_for_high_nccl_busbw,
         )
 
-    def _owned_ranges(self, buffer: ParamAndGradBuffer) -> list[tuple[int, tuple[int, int]]]:
-        """(param index, element range) of what this rank steps: its shard of each bucket, or all."""
-        if not self.sharded:
-            return [(i, (0, p.numel())) for i, p in enumerate(buffer.params)]
-        group = buffer.data_parallel_group
-        return [
-            (owned.param_index, owned.param_range)
-            for bucket in range(len(buffer.buckets))
-            for owned in buffer.layout.shard_param_ranges(bucket, group.rank(), group.size())
-        ]
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_built", False):
             raise NotImplementedError(
@@ -171,10 +138,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the main grads. The grad buffers are the model's: ``zero_grad_buffer()`` on each chunk
-        empties them, called alongside this at the start of every iteration, as in the reference."""
-        for piece in self.pieces:
-            piece.main.grad = None
+        """Forget this step's main grads: the next clip or step reads them again from the grad buffers.
+        The main params keep their grads attached (views into one fp32 tensor per bucket), so that
+        reading them costs one copy per bucket; ``zero_grad_buffer()`` on each chunk empties the grad
+        buffers, called alongside this at the start of every iteration, as in the reference."""
         self._grads_loaded = False
 
     # --- model weights ---------------------------------------------------------------------------
@@ -186,8 +153,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Copy the model's current weights into the fp32 main params (after ``model.load_state_dict``
         or any other change of the weights made after this optimizer was built)."""
         with torch.no_grad():
-            for piece in self.pieces:
-                piece.main.copy_(piece.model_slice())
+            for shard in self.shards:
+                shard.read_weights()
         self._model_versions = self._current_model_versions()
 
     def _refuse_stale_main_params(self) -> None:
@@ -201,8 +168,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _write_shards_into_params(self) -> None:
         with torch.no_grad():
-            for piece in self.pieces:
-                piece.model_slice().copy_(piece.main)
+            for shard in self.shards:
+                shard.write_weights()
 
     def _gather_params(self) -> None:
         """Refill every rank's full params from the owners' shards (sharded mode only)."""
@@ -238,18 +205,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Read this step's reduced grads once (clipping and stepping share them)."""
         if self._grads_loaded:
             return
-        for piece in self.pieces:
-            piece.main.grad = piece.grad_slice().float()
+        for shard in self.shards:
+            shard.load_grads()
         self._grads_loaded = True
 
     def _total_norm(self, norm_type: float) -> torch.Tensor:
         """The global grad norm as a tensor on the grads' device: one all-reduce, no host sync."""
         self._ensure_grads_loaded()
-        grads = [p.main.grad for p in self.pieces if p.main.grad is not None and self._counted_in_norm(p)]
-        grads = [g for g in grads if g.numel()]
         local = torch.zeros((), dtype=torch.float32, device=self._device)
-        if grads:
-            local = local + get_total_norm(grads, norm_type).to(self._device)
+        if self._norm_grads:
+            local = local + get_total_norm(self._norm_grads, norm_type).to(self._device)
         if norm_type == float("inf"):
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.norm_group)
             return local
@@ -268,8 +233,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         total = self._total_norm(norm_type)
         if max_norm > 0:
-            mains = [piece.main for piece in self.pieces]
-            clip_grads_with_norm_(mains, max_norm, total)
+            scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip_grads_with_norm_ rule
+            for shard in self.shards:
+                shard.grad.mul_(scale.to(shard.grad.device))
         return float(total.item())
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]

@@ -1,0 +1,100 @@
+"""The fp32 main params and grads a DistributedOptimizer steps, one flat tensor pair per bucket.
+
+Each bucket's part that this rank steps (its shard with the distributed optimizer, the whole bucket
+without) is one contiguous range of the buffer, so it is held as one fp32 main tensor and one fp32 grad
+tensor in the same coordinates. The per-param main params the inner optimizer sees are views into them,
+with their grads attached once, so the per-step work is one grad copy and one weight copy per bucket
+(O(buckets)), not one per param.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.buffers import ParamAndGradBuffer
+
+
+@dataclass
+class ShardPiece:
+    """One param's elements that this rank steps, and the fp32 main param (a view) that stands for them."""
+
+    name: str
+    param: nn.Parameter
+    main: nn.Parameter
+    param_range: tuple[int, int]
+    buffer_key: int
+    group: dist.ProcessGroup
+
+    def model_slice(self) -> torch.Tensor:
+        return self.param.data.view(-1)[self.param_range[0] : self.param_range[1]]
+
+
+@dataclass
+class BucketShard:
+    """Buffer range ``[lo, hi)`` of one bucket as fp32 ``main`` and ``grad`` (padding included)."""
+
+    buffer: ParamAndGradBuffer
+    lo: int
+    hi: int
+    main: torch.Tensor
+    grad: torch.Tensor
+    pieces: list[ShardPiece] = field(default_factory=list)
+
+    def load_grads(self) -> None:
+        """This step's reduced grads (the grad buffer holds them in the grad dtype)."""
+        self.grad.copy_(self.buffer.grad_data[self.lo : self.hi])
+
+    def write_weights(self) -> None:
+        """Copy the stepped main params into the model's weights: one copy into the param buffer, or,
+        without one (no distributed optimizer), one fused copy over the pieces."""
+        if self.buffer.param_data is not None:
+            self.buffer.param_data[self.lo : self.hi].copy_(self.main)
+        elif self.pieces:
+            torch._foreach_copy_(
+                [p.model_slice() for p in self.pieces], [p.main.detach() for p in self.pieces]
+            )
+
+    def read_weights(self) -> None:
+        """Adopt the model's current weights as the main params."""
+        if self.buffer.param_data is not None:
+            self.main.copy_(self.buffer.param_data[self.lo : self.hi])
+            return
+        for piece in self.pieces:
+            piece.main.detach().copy_(piece.model_slice())
+
+
+def build_bucket_shards(
+    buffers: list[ParamAndGradBuffer], sharded: bool, names: dict[nn.Parameter, str]
+) -> list[BucketShard]:
+    """For every bucket of every buffer, the range this rank steps and its pieces (views into it)."""
+    shards = []
+    for key, buffer in enumerate(buffers):
+        group = buffer.data_parallel_group
+        for bucket_id, (bucket_lo, bucket_hi) in enumerate(buffer.bucket_indices):
+            if sharded:
+                lo, hi = buffer.layout.shard_range(bucket_id, group.rank(), group.size())
+                owned = [
+                    (r.param_index, r.param_range, r.local)
+                    for r in buffer.layout.shard_param_ranges(bucket_id, group.rank(), group.size())
+                ]
+            else:
+                lo, hi = bucket_lo, bucket_hi
+                owned = []
+                for index in buffer.layout.bucket_params(bucket_id):
+                    start, end, _ = buffer.layout.param_index_map[index]
+                    owned.append((index, (0, end - start), (start - lo, end - lo)))
+            main = torch.zeros(hi - lo, dtype=torch.float32, device=buffer.grad_data.device)
+            shard = BucketShard(buffer, lo, hi, main, torch.zeros_like(main))
+            for index, param_range, (a, b) in owned:
+                param = buffer.params[index]
+                view = main[a:b]
+                view.copy_(param.detach().view(-1)[param_range[0] : param_range[1]])
+                piece = ShardPiece(names[param], param, nn.Parameter(view), param_range, key, group)
+                piece.main.grad = shard.grad[a:b]
+                shard.pieces.append(piece)
+            shards.append(shard)
+    return shards
