@@ -138,6 +138,8 @@ def stats_by_step(strategy: str, steps: int, **config: Any) -> dict[str, Any]:
         "other_weights": bucket_bytes(model, units=False),
         "other_grads": bucket_bytes(model, units=False, grads=True),
         "weights": full_weights(model),
+        "queue_capacity": model.suggested_RS_queue_capacity,
+        "unit_elements": max(b.layout.size for b in model.buckets if b.spec.unit_id is not None),
     }
 
 
@@ -174,12 +176,16 @@ def test_dynamic_allocators_allocate_per_unit_per_pass(zero3_runs: list[dict[str
 
 
 def test_dynamic_peaks_follow_the_schedule(zero3_runs: list[dict[str, dict[str, Any]]]) -> None:
-    """Grads: every bucket's unreduced grads live until the reductions are waited at the end of backward.
+    """Grads: the non-unit bucket's unreduced grads live through the whole backward (its first grad, the
+    head's, comes first, its last, the embedding's, last); of the units', those of the reductions the
+    queue keeps in flight (suggested_RS_queue_capacity: two units by default) plus the unit being filled.
     A forward without backward holds the non-unit buckets, one unit and the next (prefetched)."""
     for rank in zero3_runs:
         run = rank["dynamic"]
-        unit = max(run["unit_weights"])
-        assert run["peak"]["grads:temporary"] == sum(run["unit_grads"]) + sum(run["other_grads"])
+        unit, unit_grads = max(run["unit_weights"]), max(run["unit_grads"])
+        in_flight = run["queue_capacity"] // run["unit_elements"]
+        assert in_flight == 2
+        assert run["peak"]["grads:temporary"] == sum(run["other_grads"]) + (in_flight + 1) * unit_grads
         assert run["eval_peak"]["weights:storage_resize"] == sum(run["other_weights"]) + 2 * unit
 
 

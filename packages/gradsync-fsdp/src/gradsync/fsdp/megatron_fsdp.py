@@ -28,6 +28,7 @@ from .allocator_choice import choose_allocators
 from .allocators import AllocatorStats
 from .bucket import BucketStatus, FlatParamBucket, GradReduction, PrefetchOrder, bucket_layout
 from .checkpoint import load_param, param_keys
+from .communication_unit import communication_unit_size
 from .dcp import FIRST_ROW, describe_shard
 from .hooks import (
     TrainingState,
@@ -41,8 +42,6 @@ from .optimizer_params import attach_grads, build_optimizer_params
 from .strategy import parse_strategy
 from .support import refuse_unsupported
 from .units import UnitEntry, find_units, group_into_buckets, resolve_unit_classes
-
-DEFAULT_PREFETCH_ELEMENTS = 500_000_000  # the reference's default: half of its 1e9-element unit
 
 
 def default_fsdp_config() -> DistributedDataParallelConfig:
@@ -144,13 +143,19 @@ class MegatronFSDP(nn.Module):
         self.set_model_auto_sync(sync_model_each_microbatch)
         self.is_last_microbatch = True
         self.microbatch_count = 0
-        # Elements a prefetch may gather (the neighbouring unit, if it fits); 0 turns prefetch off.
-        self.suggested_AG_prefetch_size = DEFAULT_PREFETCH_ELEMENTS
+        unit_sizes = [sum(b.layout.size for b in buckets) for buckets in self._unit_buckets]
+        self.suggested_communication_unit_size = communication_unit_size(
+            ddp_config, self.sharding.shard_params, unit_sizes
+        )
+        # Elements a prefetch may gather ahead (whole units, in order); 0 turns prefetch off.
+        self.suggested_AG_prefetch_size = self.suggested_communication_unit_size // 2
+        # Elements of grad reductions in flight before the oldest is waited for.
+        self.suggested_RS_queue_capacity = self.suggested_communication_unit_size
         self._ready: dict[int, set[int]] = {b.bucket_id: set() for b in self.buckets}
         self._reduced_this_cycle: set[int] = set()
         self._pending: set[int] = set()
         self._completed: set[int] = set()
-        self._in_flight: list[Any] = []
+        self._in_flight: list[tuple[Any, int]] = []  # (launched reduction, its elements)
         self._in_backward = False
         self._grads_finished = False
         set_state(module, TrainingState.IDLE)
@@ -358,7 +363,14 @@ class MegatronFSDP(nn.Module):
         self._pending.discard(bucket.bucket_id)
         if not self.sharding.shard_grads:
             self._reduced_this_cycle.add(bucket.bucket_id)
-        self._in_flight.append(bucket.launch_reduce(self._reduction, self.ddp_config.check_for_nan_in_grad))
+        elements = bucket.layout.size
+        while (
+            self._in_flight
+            and sum(n for _, n in self._in_flight) + elements > self.suggested_RS_queue_capacity
+        ):
+            self._in_flight.pop(0)[0].wait()  # bound the reductions in flight (and their buffers)
+        launched = bucket.launch_reduce(self._reduction, self.ddp_config.check_for_nan_in_grad)
+        self._in_flight.append((launched, elements))
 
     def _root_post_backward(self) -> None:
         """End of the backward: every grad bucket not completed by its hooks (some param got no grad on
@@ -382,31 +394,35 @@ class MegatronFSDP(nn.Module):
     def _wait_reductions_until(self, ready: Any) -> None:
         """Double buffers: finish the oldest reductions (freeing their grad buffers) until ``ready()``."""
         while self._in_flight and not ready():
-            self._in_flight.pop(0).wait()
+            self._in_flight.pop(0)[0].wait()
 
     def _wait_reductions(self) -> None:
         in_flight, self._in_flight = self._in_flight, []
-        for launched in in_flight:
+        for launched, _ in in_flight:
             launched.wait()
 
     # --- gathers -----------------------------------------------------------------------------------
     def _gather_unit(self, unit_id: int, prefetch: int | None) -> None:
         for bucket in self._unit_buckets[unit_id]:
             bucket.launch_gather()
-        self._prefetch(prefetch)
+        if prefetch is not None:
+            self._prefetch(prefetch, 1 if prefetch > unit_id else -1)
         for bucket in self._unit_buckets[unit_id]:
             bucket.wait_gather()
 
-    def _prefetch(self, unit_id: int | None) -> None:
-        """Start gathering the neighbouring unit, if it fits ``suggested_AG_prefetch_size`` elements."""
-        if unit_id is None or not 0 <= unit_id < len(self.units):
-            return
-        buckets = self._unit_buckets[unit_id]
-        if not all(self.allocators.weights.can_allocate(b.bucket_id) for b in buckets):
-            return  # double buffers: both held by units still in use
-        if sum(b.layout.size for b in buckets) <= self.suggested_AG_prefetch_size:
+    def _prefetch(self, unit_id: int | None, direction: int = 1) -> None:
+        """Start gathering whole units from ``unit_id`` on, in ``direction`` (+1: forward order, -1:
+        backward), while they fit ``suggested_AG_prefetch_size`` elements together."""
+        budget = self.suggested_AG_prefetch_size
+        while unit_id is not None and 0 <= unit_id < len(self.units):
+            buckets = self._unit_buckets[unit_id]
+            size = sum(b.layout.size for b in buckets)
+            if size > budget or not all(self.allocators.weights.can_allocate(b.bucket_id) for b in buckets):
+                return  # out of budget, or double buffers both held by units still in use
             for bucket in buckets:
                 bucket.launch_gather()
+            budget -= size
+            unit_id += direction
 
     def all_gather_and_wait_parameters_ready(
         self,
@@ -423,8 +439,10 @@ class MegatronFSDP(nn.Module):
         if prefetch and buckets:
             unit_ids = [u for b in buckets if (u := self.buckets[b].spec.unit_id) is not None]
             if unit_ids:
-                forward = prefetch_order is PrefetchOrder.FORWARD_PASS_ORDER
-                self._prefetch(max(unit_ids) + 1 if forward else min(unit_ids) - 1)
+                if prefetch_order is PrefetchOrder.FORWARD_PASS_ORDER:
+                    self._prefetch(max(unit_ids) + 1, 1)
+                else:
+                    self._prefetch(min(unit_ids) - 1, -1)
         if wait_bucket_ready:
             for bucket_id in buckets:
                 self.buckets[bucket_id].wait_gather()
