@@ -224,6 +224,14 @@ def bench_overhead(session: nox.Session) -> None:
     session.run("python", script, "--model", "tiny-params", "--steps", "40", *session.posargs)
 
 
+@nox.session(name="bench-ab")
+def bench_ab(session: nox.Session) -> None:
+    """Benchmark (not a test): gradsync DDP vs torch DDP, their steps interleaved in the same processes, at 4
+    and 25 MiB buckets, as ratios to the compute floor and to torch DDP."""
+    install_local(session, "ddp", "finalize")
+    session.run("python", str(ROOT / "benchmarks" / "bench_ab.py"), *session.posargs)
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmark (not a test): gradsync's DDP and FSDP strategies vs torch DDP, torch FSDP2 and DeepSpeed
