@@ -26,6 +26,7 @@ GRADSYNC = [
     "gradsync-fsdp-optim",
     "gradsync-fsdp-optim_grads",
     "gradsync-fsdp-optim_grads_params",
+    "gradsync-fsdp-optim_grads_params+double-buffer",
 ]
 PEERS = ["torch-ddp", "torch-fsdp2", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"]
 

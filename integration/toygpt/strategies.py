@@ -63,6 +63,12 @@ STRATEGIES: dict[str, Strategy] = {
                 ("optim_grads_params", "MegatronFSDP ZeRO-3: weights gathered per block and released"),
             )
         ),
+        Strategy(
+            "fsdp-optim_grads_params+double-buffer",
+            "MegatronFSDP ZeRO-3 with two persistent block-sized buffers per kind, lent block to block",
+            "fsdp",
+            {"data_parallel_sharding_strategy": "optim_grads_params", "fsdp_double_buffer": True},
+        ),
     )
 }
 

@@ -72,6 +72,9 @@ _CAPABILITIES = {
         # Measured with torch 2.13 on 2 cores, 2 and 4 ranks, 1M-16M fp32 elements, times relative to an
         # all_reduce of the bucket: reduce_scatter 1.8-2.6x, all_reduce + slice 1.6-2.4x (no consistent
         # win, and it needs a bucket-sized copy), all_gather_into_tensor 1.2-2.8x, broadcasts 0.4-0.6x.
+        # Re-measured on 2 ranks (bench-buffers, 2026-11-23, three runs): all_reduce + slice won at 1M-4M
+        # elements (1.17-1.37x against 1.43-1.89x), tied at 16M (2.09-2.59x against 2.11-2.39x) and lost
+        # at 256K (2.08-3.47x against 1.30-1.47x): a band, not a rule worth a size-dependent switch.
         reduce_scatter_via_all_reduce=False,
         all_gather_via_broadcasts=True,
         # Gloo runs each collective on its own worker thread; wait() joins it on the host.
