@@ -6,6 +6,7 @@ model and per-rank batch on one rank, no communication). Writes benchmarks/RESUL
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -73,6 +74,10 @@ def machine() -> str:
     )
 
     def version(name: str) -> str:
+        """The version of the code that runs: a gradsync package's own ``__version__`` (an editable
+        install's metadata keeps the version it was installed at), else the distribution's."""
+        if name.startswith("gradsync-"):
+            return str(importlib.import_module(name.replace("-", ".")).__version__)
         try:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -137,6 +142,17 @@ def write_results(rows: list[Result], floor: Result, args: argparse.Namespace) -
         "backward: about 2.0x. gradsync keeps the last block gathered from its forward into the backward, "
         "one block's gather less per step. DeepSpeed ZeRO-3 keeps params below its "
         "stage3_param_persistence_threshold unsharded, which lowers its wire bytes and raises its memory.",
+        "",
+        "Allocators: fsdp-optim_grads_params+double-buffer is the same ZeRO-3 with `fsdp_double_buffer`, "
+        "two persistent block-sized buffers per kind lent from block to block instead of buffers "
+        "allocated per gather and per backward; its peak RSS next to fsdp-optim_grads_params is what the "
+        "allocator changes in memory. It also serialises more: a grad waits for the oldest reduction to "
+        "free a buffer, and prefetch stops while two blocks hold both.",
+        "",
+        "Each system runs in its own processes, one after another, so a drift of the machine's speed "
+        "between systems (10-25 % on this machine) moves their ratios. `nox -s bench-ab` times gradsync "
+        "DDP and torch DDP step by step in the same processes instead, which cancels the drift (results "
+        "in packages/gradsync-ddp/README.md).",
     ]
     png = plot(HERE / "results.png", floor, rows)
     if png:
