@@ -221,7 +221,7 @@ def bench_overhead(session: nox.Session) -> None:
     model of 10,000 tiny params at DP 2 (bench_ddp.py --model tiny-params)."""
     install_local(session, "ddp", extra=("numpy",))
     script = pkg_dir("ddp") + "/benchmarks/bench_ddp.py"
-    session.run("python", script, "--model", "tiny-params", "--steps", "40", *session.posargs)
+    session.run("python", script, "--model", "tiny-params", "--steps", "40", "--interleave", *session.posargs)
 
 
 @nox.session(name="bench-ab")

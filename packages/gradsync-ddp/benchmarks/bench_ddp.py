@@ -2,12 +2,14 @@
 
     python benchmarks/bench_ddp.py [--worlds 2 4] [--steps 6] [--model gpt|tiny-params]
 
-``gpt``: a ~23M-parameter GPT, fp32, on gloo ranks of this machine. ``tiny-params`` (``nox -s
-bench-overhead``): 10,000 params of 4 elements and next to no compute, so a step is the wrappers' own
-per-param and per-bucket work. The compute floor is the same model and per-rank batch in one process with
-the same per-rank thread share and no communication; every step time is also given as a ratio to it and
-as the overhead over it in microseconds. Columns break a step into forward+backward, the wait in
-finish_grad_sync, and the optimizer step (which includes the distributed optimizer's param gather).
+``gpt``: a ~23M-parameter GPT, fp32, on gloo ranks of this machine. ``tiny-params``
+(``nox -s bench-overhead``): 10,000 params of 4 elements and next to no compute, so a step is the
+wrappers' own per-param and per-bucket work. The compute floor is the same model and per-rank batch in
+one process with the same per-rank thread share and no communication; every step time is also given as
+a ratio to it. The overhead column is a wrapper's cost over the floor in microseconds per step: forward,
+backward and the grad-sync wait, without the optimizer step (which the wrappers do not change). Columns
+break a step into forward+backward, the wait in finish_grad_sync, and the optimizer step (which includes
+the distributed optimizer's param gather).
 """
 
 from __future__ import annotations
@@ -92,64 +94,85 @@ MODELS: dict[str, tuple[type[nn.Module], Any]] = {
 
 
 @contextmanager
-def timed(into: list[float]) -> Iterator[None]:
+def timed(into: dict[str, float], key: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
-    into.append(time.perf_counter() - start)
+    into[key] = time.perf_counter() - start
+
+
+class Variant:
+    """One wrapper (or none: the floor) around its own copy of the model, stepped one step at a time."""
+
+    def __init__(self, variant: str, model_name: str) -> None:
+        model_class, self.make_batch = MODELS[model_name]
+        model = model_class()
+        self.sync: Any = None
+        if variant == "torch DDP":
+            self.wrapped: nn.Module = torch.nn.parallel.DistributedDataParallel(
+                model, bucket_cap_mb=BUCKET_ELEMENTS * 4 / 2**20
+            )
+        elif variant.startswith("gradsync"):
+            config = DistributedDataParallelConfig(
+                overlap_grad_reduce="overlap" in variant,
+                use_distributed_optimizer="distopt" in variant,
+                overlap_param_gather="param gather" in variant,
+                bucket_size=BUCKET_ELEMENTS,
+            )
+            self.wrapped = self.sync = DistributedDataParallel(ModelParallelConfig(), config, model)
+        else:
+            self.wrapped = model
+        self.optimizer: Any = torch.optim.SGD(self.wrapped.parameters(), lr=1e-3, momentum=0.9)
+        if self.sync is not None and self.sync.ddp_config.use_distributed_optimizer:
+            self.optimizer = DistributedOptimizer(self.optimizer, self.sync)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.generator = torch.Generator().manual_seed(rank)
+        self.samples: dict[str, list[float]] = {k: [] for k in ("step", "compute", "wait", "update")}
+
+    def step(self, record: bool) -> None:
+        tokens = self.make_batch(self.generator)
+        times = dict.fromkeys(self.samples, 0.0)
+        start = time.perf_counter()
+        if self.sync is not None:
+            self.sync.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        with timed(times, "compute"):
+            self.wrapped(tokens).backward()
+        with timed(times, "wait"):
+            if self.sync is not None:
+                self.sync.finish_grad_sync()
+        with timed(times, "update"):
+            self.optimizer.step()
+        times["step"] = time.perf_counter() - start
+        if record:
+            for key, value in times.items():
+                self.samples[key].append(value)
+
+    def medians(self) -> dict[str, float]:
+        return {key: statistics.median(values) for key, values in self.samples.items()}
+
+
+WARMUP = 2
 
 
 def run_variant(variant: str, steps: int, threads: int, model_name: str = "gpt") -> dict[str, float]:
+    """One variant in fresh processes (its peak RSS is its own)."""
     torch.set_num_threads(threads)
-    model_class, make_batch = MODELS[model_name]
-    model = model_class()
-    sync: Any = None
-    if variant == "torch DDP":
-        wrapped: nn.Module = torch.nn.parallel.DistributedDataParallel(
-            model, bucket_cap_mb=BUCKET_ELEMENTS * 4 / 2**20
-        )
-    elif variant.startswith("gradsync"):
-        config = DistributedDataParallelConfig(
-            overlap_grad_reduce="overlap" in variant,
-            use_distributed_optimizer="distopt" in variant,
-            overlap_param_gather="param gather" in variant,
-            bucket_size=BUCKET_ELEMENTS,
-        )
-        wrapped = sync = DistributedDataParallel(ModelParallelConfig(), config, model)
-    else:
-        wrapped = model
-    optimizer: Any = torch.optim.SGD(wrapped.parameters(), lr=1e-3, momentum=0.9)
-    if sync is not None and sync.ddp_config.use_distributed_optimizer:
-        optimizer = DistributedOptimizer(optimizer, sync)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    generator = torch.Generator().manual_seed(rank)
-    compute: list[float] = []
-    waits: list[float] = []
-    updates: list[float] = []
-    totals: list[float] = []
-    for step in range(steps + 2):
-        tokens = make_batch(generator)
-        start = time.perf_counter()
-        if sync is not None:
-            sync.zero_grad_buffer()
-        optimizer.zero_grad()
-        with timed(compute):
-            wrapped(tokens).backward()
-        with timed(waits):
-            if sync is not None:
-                sync.finish_grad_sync()
-        with timed(updates):
-            optimizer.step()
-        totals.append(time.perf_counter() - start)
-        if step < 2:  # warm-up
-            for samples in (compute, waits, updates, totals):
-                samples.clear()
-    return {
-        "step": statistics.median(totals),
-        "compute": statistics.median(compute),
-        "wait": statistics.median(waits),
-        "update": statistics.median(updates),
-        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }
+    runner = Variant(variant, model_name)
+    for index in range(WARMUP + steps):
+        runner.step(record=index >= WARMUP)
+    return {**runner.medians(), "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def run_interleaved(variants: list[str], steps: int, threads: int, model_name: str) -> dict[str, Any]:
+    """Every variant in the same processes, one step of each in turn (a barrier before each), so a drift
+    of the machine's speed touches all alike; the floor runs on every rank, without communication."""
+    torch.set_num_threads(threads)
+    runners = {variant: Variant(variant, model_name) for variant in variants}
+    for index in range(WARMUP + steps):
+        for runner in runners.values():
+            dist.barrier()
+            runner.step(record=index >= WARMUP)
+    return {variant: runner.medians() for variant, runner in runners.items()}
 
 
 VARIANTS = [
@@ -163,10 +186,15 @@ VARIANTS = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--worlds", type=int, nargs="+", default=[2])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--model", choices=list(MODELS), default="gpt")
+    parser.add_argument(
+        "--interleave", action="store_true", help="time every variant in the same processes, step by step"
+    )
     args = parser.parse_args()
     model = MODELS[args.model][0]()
     params = sum(p.numel() for p in model.parameters())
@@ -176,24 +204,36 @@ def main() -> None:
     print(f"torch {torch.__version__}, gradsync-ddp {ddp_version}")
     for world in args.worlds:
         threads = max(1, cores // world)
-        floor = run_distributed(run_variant, 1, args=("floor", args.steps, threads, args.model), reuse=False)[
-            0
-        ]
-        print(f"\n{world} ranks ({threads} thread(s) each); floor = 1 rank, same batch, no communication\n")
+        if args.interleave:
+            per_rank = run_distributed(
+                run_interleaved,
+                world,
+                args=(["floor", *VARIANTS], args.steps, threads, args.model),
+                timeout=1200,
+            )
+            slowest = {v: max((r[v] for r in per_rank), key=lambda m: m["step"]) for v in per_rank[0]}
+            floor, rows = slowest.pop("floor"), list(slowest.items())
+            where = "the same processes, interleaved step by step"
+        else:
+            floor_args = ("floor", args.steps, threads, args.model)
+            floor = run_distributed(run_variant, 1, args=floor_args, reuse=False)[0]
+            rows = []
+            for variant in VARIANTS:
+                one = (variant, *floor_args[1:])
+                results = run_distributed(run_variant, world, args=one, reuse=False, timeout=1200)
+                rows.append((variant, max(results, key=lambda r: r["step"])))
+            where = "1 rank, fresh processes"
+        print(f"\n{world} ranks ({threads} thread(s) each); floor: {where}, same batch, no communication\n")
         columns = ["variant", "step ms", "x floor", "overhead us", "fwd+bwd ms", "grad-sync wait ms"]
         print("| " + " | ".join([*columns, "optimizer ms", "peak RSS MB", "x floor RSS"]) + " |")
         print("|---|---|---|---|---|---|---|---|---|")
-        rows = [("compute floor", floor)]
-        for variant in VARIANTS:
-            results = run_distributed(
-                run_variant, world, args=(variant, args.steps, threads, args.model), reuse=False, timeout=1200
-            )
-            rows.append((variant, max(results, key=lambda r: r["step"])))
-        for name, r in rows:
+        for name, r in [("compute floor", floor), *rows]:
             cells = [name, f"{r['step'] * 1e3:.1f}", f"{r['step'] / floor['step']:.3f}"]
-            cells += [f"{(r['step'] - floor['step']) * 1e6:.0f}"]
+            synced, floor_synced = r["compute"] + r["wait"], floor["compute"] + floor["wait"]
+            cells += [f"{(synced - floor_synced) * 1e6:.0f}"]
             cells += [f"{r[k] * 1e3:.1f}" for k in ("compute", "wait", "update")]
-            cells += [f"{r['rss_mb']:.0f}", f"{r['rss_mb'] / floor['rss_mb']:.2f}"]
+            rss = r.get("rss_mb")
+            cells += [f"{rss:.0f}", f"{rss / floor['rss_mb']:.2f}"] if rss else ["-", "-"]
             print("| " + " | ".join(cells) + " |")
 
 
