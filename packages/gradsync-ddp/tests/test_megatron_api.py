@@ -123,6 +123,8 @@ def test_a_precomputed_layout_is_used_and_checked() -> None:
 def offload_round_trip() -> dict[str, bool]:
     rank, world = dist.get_rank(), dist.get_world_size()
     kept, offloaded = (Trainer.build(DistributedDataParallelConfig(), "sgd") for _ in range(2))
+    for buffer in offloaded.ddp.buffers:
+        buffer.grad_data.fill_(float(rank + 1))  # stale grads: they must not survive the round trip
     offloaded.ddp.offload_grad_buffers()
     freed = all(b.grad_data.untyped_storage().nbytes() == 0 for b in offloaded.ddp.buffers)
     views = [p.main_grad for p in offloaded.ddp.params_with_grad]  # type: ignore[attr-defined]

@@ -175,9 +175,12 @@ class Trainer:
 
 
 def full_weights(model: MegatronFSDP) -> dict[str, torch.Tensor]:
-    """The compute weights as a forward would see them, gathered whole, by their module names."""
-    full = model.full_state_dict(rank0_only=False)
-    return {name: full[name].float() for name, _ in model.module.named_parameters()}
+    """The compute weights as a forward would see them, gathered whole at once and read from the module
+    (independent of ``full_state_dict``, which tests compare with it)."""
+    model.all_gather_and_wait_parameters_ready(list(model.module.parameters()), prefetch=False)
+    weights = named_weights(model.module)
+    model.synchronize_param_gather()
+    return weights
 
 
 def max_relative_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:

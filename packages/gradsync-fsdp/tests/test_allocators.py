@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_testkit import Trainer, full_weights, wrap
+from fsdp_testkit import Trainer, wrap
 
 from gradsync.fsdp import MegatronFSDP
 from gradsync.fsdp.allocators import (
@@ -137,10 +137,16 @@ def stats_by_step(strategy: str, steps: int, **config: Any) -> dict[str, Any]:
         "unit_grads": bucket_bytes(model, units=True, grads=True),
         "other_weights": bucket_bytes(model, units=False),
         "other_grads": bucket_bytes(model, units=False, grads=True),
-        "weights": full_weights(model),
+        "weights": exported_weights(model),
         "queue_capacity": model.suggested_RS_queue_capacity,
         "unit_elements": max(b.layout.size for b in model.buckets if b.spec.unit_id is not None),
     }
+
+
+def exported_weights(model: MegatronFSDP) -> dict[str, torch.Tensor]:
+    """Every weight whole, one bucket at a time (double buffers cannot hold all units at once)."""
+    full = model.full_state_dict(rank0_only=False)
+    return {name: full[name].float() for name, _ in model.module.named_parameters()}
 
 
 def allocator_runs(strategy: str) -> dict[str, dict[str, Any]]:
@@ -281,7 +287,7 @@ def userbuffer_training(symmetric: bool) -> dict[str, Any]:
         for tensor in group
     ]
     segments = pool.segments()
-    got, want = full_weights(model), full_weights(plain.model)
+    got, want = exported_weights(model), exported_weights(plain.model)
     return {
         "refused": False,
         "nccl_memory": nccl_memory,
@@ -308,3 +314,76 @@ def test_nccl_userbuffers_hold_the_double_buffers_on_cuda(symmetric: bool) -> No
     assert result["slots_in_pool"]
     assert result["registered"]
     assert result["identical"]
+
+
+def slots_by_pass() -> tuple[list[int], list[int], bool]:
+    """Each unit's weight address at its forward and at its backward, over two steps of ZeRO-3 with double
+    buffers and without overlap_param_gather (every step ends with an install and a param sync)."""
+    trainer = Trainer.build(
+        "optim_grads_params", layers=LAYERS, fsdp_double_buffer=True, overlap_param_gather=False
+    )
+    plain = Trainer.build("optim_grads_params", layers=LAYERS, overlap_param_gather=False)
+    model = trainer.model
+    forward: dict[int, int] = {}
+    backward: dict[int, int] = {}
+    for unit_id, unit in enumerate(model.units):
+        first = next(unit.parameters())
+        unit.register_forward_pre_hook(lambda *_, u=unit_id, p=first: forward.__setitem__(u, p.data_ptr()))
+        unit.register_full_backward_pre_hook(
+            lambda *_, u=unit_id, p=first: backward.__setitem__(u, p.data_ptr())
+        )
+    for step in range(2):
+        trainer.step(step, 1)
+        plain.step(step, 1)
+    got, want = model.full_state_dict(rank0_only=False), plain.model.full_state_dict(rank0_only=False)
+    same = all(torch.equal(got[k], want[k]) for k in want)
+    return [forward[u] for u in range(LAYERS)], [backward[u] for u in range(LAYERS)], same
+
+
+def test_a_unit_keeps_its_double_buffer_slot_from_forward_to_backward() -> None:
+    """Autograd reads in backward the weights a unit's forward saved: they must still be there. Units
+    alternate between the two slots, and the weights match the dynamic allocators' bit for bit."""
+    for forward, backward, same in run_distributed(slots_by_pass, 2):
+        assert forward == backward
+        assert forward[0] == forward[2] != forward[1] == forward[3]
+        assert same
+
+
+class SkipsFirstBlock(torch.nn.Module):
+    """Four blocks; the first is never used, so its unit gets no grad at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from fsdp_testkit import TinyTransformer
+
+        self.inner = TinyTransformer(layers=LAYERS)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        inner = self.inner
+        x = inner.embedding(tokens)
+        for block in list(inner.blocks)[1:]:
+            x = block(x)
+        logits = inner.head(inner.norm(x))
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def unused_unit_with_double_buffers() -> bool:
+    from fsdp_testkit import Block, local_microbatches, shard_index
+
+    from gradsync.buffers import DistributedDataParallelConfig
+
+    config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads",
+        overlap_grad_reduce=True,
+        fsdp_double_buffer=True,
+    )
+    model = MegatronFSDP(SkipsFirstBlock(), shard_index(), config, fsdp_unit_modules=[Block])
+    model(local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]).backward()
+    model.finish_grad_sync()  # the unused unit's bucket is reduced at the end of backward: zeros
+    unused = [model.sharded_param_of[p] for p in model.module.inner.blocks[0].parameters()]
+    return all(p.grad is None or not p.grad.to_local().any() for p in unused)
+
+
+def test_a_unit_without_grads_waits_for_a_double_buffer_slot() -> None:
+    assert all(run_distributed(unused_unit_with_double_buffers, 2))

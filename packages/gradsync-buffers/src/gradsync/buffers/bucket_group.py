@@ -222,9 +222,7 @@ class ParamAndGradBucketGroup:
         if self.grad_reduce_handle is not None:
             self.grad_reduce_handle.wait()
             self.grad_reduce_handle = None
-        if self.param_gather_handle is not None:
-            self.param_gather_handle.wait()
-            self.param_gather_handle = None
+        self.free_overlap_buffers()
 
     def free_overlap_buffers(self) -> None:
         """Finish a param all-gather still in flight and drop its handle (Megatron-Core's hook for freeing
@@ -336,10 +334,11 @@ def partition_buckets(
         for i, b in enumerate(buffers)
         if b.ddp_config.reduce_scatter_with_fp32_accumulation != reduce_scatter_with_fp32_accumulation
     ]
-    if reduce_scatter_with_fp32_accumulation and disagreeing:
+    if disagreeing:
         raise ValueError(
-            f"partition_buckets(reduce_scatter_with_fp32_accumulation=True) but buffers {disagreeing} were "
-            "built with it False in their config; pass their ddp_config.reduce_scatter_with_fp32_accumulation"
+            f"partition_buckets(reduce_scatter_with_fp32_accumulation={reduce_scatter_with_fp32_accumulation})"
+            f" but buffers {disagreeing} were built with the opposite in their config; pass their "
+            "ddp_config.reduce_scatter_with_fp32_accumulation"
         )
     if force_single_bucket_group:
         first = buffers[0]

@@ -43,10 +43,19 @@ class BucketShard:
     main: torch.Tensor
     grad: torch.Tensor
     pieces: list[ShardPiece] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # each piece's range in main / grad
 
     def load_grads(self) -> None:
-        """This step's reduced grads (the grad buffer holds them in the grad dtype)."""
+        """This step's reduced grads (the grad buffer holds them in the grad dtype). If something set the
+        main params' grads to None (the inner optimizer's own ``zero_grad``), they are attached again."""
         self.grad.copy_(self.buffer.grad_data[self.lo : self.hi])
+        if self.pieces and self.pieces[0].main.grad is None:
+            self.attach_grads()
+
+    def attach_grads(self) -> None:
+        """Make every piece's grad its view of the flat grad."""
+        for piece, (a, b) in zip(self.pieces, self.spans, strict=True):
+            piece.main.grad = self.grad[a:b]
 
     def write_weights(self) -> None:
         """Copy the stepped main params into the model's weights: one copy into the param buffer, or,
@@ -93,8 +102,10 @@ def build_bucket_shards(
                 param = buffer.params[index]
                 view = main[a:b]
                 view.copy_(param.detach().view(-1)[param_range[0] : param_range[1]])
-                piece = ShardPiece(names[param], param, nn.Parameter(view), param_range, key, group)
-                piece.main.grad = shard.grad[a:b]
-                shard.pieces.append(piece)
+                shard.pieces.append(
+                    ShardPiece(names[param], param, nn.Parameter(view), param_range, key, group)
+                )
+                shard.spans.append((a, b))
+            shard.attach_grads()
             shards.append(shard)
     return shards

@@ -79,6 +79,9 @@ class BucketAllocator(ABC):
         """Whether :meth:`allocate` would succeed now (pools can run out; dynamic allocators cannot)."""
         return True
 
+    def forget_assignments(self) -> None:  # noqa: B027 (dynamic allocators pin nothing: a no-op)
+        """Forget which buffers buckets had (pools pin them once assigned)."""
+
     def all_stats(self) -> dict[str, AllocatorStats]:
         return {self.kind: self.stats}
 
@@ -150,10 +153,13 @@ class DoubleBufferAllocator(BucketAllocator):
     """Two persistent slot groups shaped like the most common unit ("mode" of the units' bucket
     signatures; the first such unit wins ties), lent to one unit at a time.
 
-    A unit keeps the group it got first whenever that group is idle (so a unit's buffers stay put from
-    step to step) and takes the other otherwise; a third unit asking while two hold both is refused with
-    the holders named. Buckets of other units and outside units go to ``fallback``. Double buffering pays
-    off for depth-symmetric models; for others most buckets end in the fallback.
+    A unit keeps the group it got first (since :meth:`forget_assignments`) for good: autograd keeps views
+    of a unit's weights from its forward for its backward, so the backward must find them in the same
+    slot. Units gathered in turn (each forward prefetches the next) get alternate groups, and a backward
+    in reverse order then finds each unit's group idle. A unit whose group another unit holds, or a new
+    unit while two hold both, is refused with the holders named. Buckets of other units and outside units
+    go to ``fallback``. Double buffering pays off for depth-symmetric models; for others most buckets end
+    in the fallback.
     """
 
     kind = "double_buffer"
@@ -185,7 +191,7 @@ class DoubleBufferAllocator(BucketAllocator):
         self.slots = [[self._new(r) for r in mode] for _ in range(self.GROUPS)]
         self._holder: list[int | None] = [None] * self.GROUPS  # unit id per group
         self._in_use: list[set[int]] = [set() for _ in range(self.GROUPS)]  # offsets per group
-        self._home: dict[int, int] = {}  # a unit's first group
+        self._home: dict[int, int] = {}  # a unit's group for good
 
     def pooled(self, bucket_id: int) -> bool:
         return bucket_id in self._offset_of
@@ -196,6 +202,14 @@ class DoubleBufferAllocator(BucketAllocator):
         unit_id, offset = self._offset_of[bucket_id]
         group = self._group_for(unit_id)
         if group is None:
+            home = self._home.get(unit_id)
+            if home is not None:
+                raise RuntimeError(
+                    f"MegatronFSDP (fsdp_double_buffer): FSDP unit #{unit_id} needs its {self.what} buffer "
+                    f"group {home} (a unit keeps its group, since its backward reads the weights its forward "
+                    f"saved), but unit #{self._holder[home]} holds it. Double buffering needs units used "
+                    "in one order and its reverse; turn fsdp_double_buffer off for other schedules"
+                )
             raise RuntimeError(
                 f"MegatronFSDP (fsdp_double_buffer): FSDP unit #{unit_id} needs a {self.what} buffer, but "
                 f"units #{self._holder[0]} and #{self._holder[1]} hold both; double buffering keeps at most "
@@ -228,10 +242,14 @@ class DoubleBufferAllocator(BucketAllocator):
         if unit_id in self._holder:
             return self._holder.index(unit_id)
         home = self._home.get(unit_id)
-        if home is not None and self._holder[home] is None:
-            return home
+        if home is not None:
+            return home if self._holder[home] is None else None
         idle = [g for g, holder in enumerate(self._holder) if holder is None]
         return idle[0] if idle else None
+
+    def forget_assignments(self) -> None:
+        """Let units take groups afresh (after the buckets' construction, before the first forward)."""
+        self._home.clear()
 
     def all_stats(self) -> dict[str, AllocatorStats]:
         return {self.kind: self.stats, **self.fallback.all_stats()}

@@ -98,8 +98,8 @@ class FlatParamBucket:
             weight.zero_()  # the padding stays zero
             for param, item in zip(spec.params, self.layout.items, strict=True):
                 self._item_view(weight, 0, item.offset, item.end, item.shape).copy_(param.detach())
-        self._params_view: torch.Tensor | None = None
-        self._point_params_at(weight)
+        self.weight = weight
+        self._point_params_at_weight()
         self.weight_shard = (
             self.weight[self.shard_lo : self.shard_hi].clone() if sharding.shard_params else None
         )
@@ -221,12 +221,13 @@ class FlatParamBucket:
 
     def _point_params_at(self, weight: torch.Tensor) -> None:
         """Make ``weight`` the compute buffer; re-point the params when it is a different tensor."""
-        self.weight = weight
-        if self._params_view is weight:
-            return
-        self._params_view = weight
+        if weight is not self.weight:
+            self.weight = weight
+            self._point_params_at_weight()
+
+    def _point_params_at_weight(self) -> None:
         for param, item in zip(self.spec.params, self.layout.items, strict=True):
-            param.data = self._item_view(weight, 0, item.offset, item.end, item.shape)
+            param.data = self._item_view(self.weight, 0, item.offset, item.end, item.shape)
 
     def mark_replicas_stale(self) -> None:
         """ZeRO-1/2: other ranks' shards of the compute buffer changed; gather before the next use."""

@@ -115,6 +115,8 @@ class MegatronFSDP(nn.Module):
             FlatParamBucket(i, spec, self.sharding, self.mp_policy, group, self.device, self.allocators)
             for i, spec in enumerate(specs)
         ]
+        for allocator in (self.allocators.weights, self.allocators.grads):
+            allocator.forget_assignments()  # construction filled every bucket once; the forward assigns
         self._unit_buckets: list[list[FlatParamBucket]] = [[] for _ in self.units]
         self._non_unit_buckets: list[FlatParamBucket] = []
         for bucket in self.buckets:
@@ -363,6 +365,7 @@ class MegatronFSDP(nn.Module):
         self._pending.discard(bucket.bucket_id)
         if not self.sharding.shard_grads:
             self._reduced_this_cycle.add(bucket.bucket_id)
+        self._wait_reductions_until(bucket.can_take_grads)  # a bucket without grads needs a buffer now
         elements = bucket.layout.size
         while (
             self._in_flight
@@ -453,7 +456,7 @@ class MegatronFSDP(nn.Module):
         if self.sharding.name == "no_shard":
             return
         stale = [b for b in self.buckets if b.status is BucketStatus.EMPTY]
-        if self.sharding.shard_params and not force_sync:
+        if self.sharding.shard_params:  # the first weights only: the forward gathers each unit as it comes
             stale = self._non_unit_buckets + (self._unit_buckets[0] if self.units else [])
         for bucket in stale:
             bucket.launch_gather()
