@@ -92,3 +92,19 @@ def test_bf16_matches_single_process_with_the_same_recipe(layout: str, strategy:
     world, overrides = BF16_LAYOUTS[layout]
     opts = options(strategy, {**overrides, "bf16": True})
     check_against_reference(world, opts, BF16_LOSS_TOLERANCE, BF16_PARAM_TOLERANCE)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "dp2xtp2-sp"])
+def test_double_buffers_rotating_through_four_blocks_change_nothing(layout: str) -> None:
+    """Four blocks, so the two buffers are lent from block to block (two blocks never rotate): the same
+    losses and params as ZeRO-3 with its default allocators, bit for bit."""
+    world, overrides = LAYOUTS[layout]
+    runs = [
+        run_distributed(train_and_collect, world, args=(options(strategy, {**overrides, "n_layer": 4}),))[0]
+        for strategy in ("fsdp-optim_grads_params+double-buffer", "fsdp-optim_grads_params")
+    ]
+    (losses, params), (plain_losses, plain_params) = runs
+    assert params is not None
+    assert plain_params is not None
+    assert losses == plain_losses
+    assert all(torch.equal(params[name], plain_params[name]) for name in plain_params)

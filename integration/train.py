@@ -159,8 +159,7 @@ def run(opts: Options) -> RunResult:
         if opts.save_every and (step + 1) % opts.save_every == 0:
             checkpoint.save(ckpt_dir, step + 1, wrapped, stage, layout)
     if opts.collect_params:
-        wrapped.settle_params()
-        result.full_params = gather_full_params(stage, groups)
+        result.full_params = gather_full_params(stage, groups, wrapped.current_params())
     if rank == 0 and opts.out_dir and result.records:
         result.report = write_outputs(opts, result.records, cfg, corpus, dp_size, device)
     destroy_process_groups(groups)

@@ -15,12 +15,15 @@ TIED_COPY_KEY = f"{TIED_COPY} (last stage's copy of wte.weight)"
 
 
 @torch.no_grad()
-def gather_full_params(stage: GPTStage, groups: ProcessGroupCollection) -> dict[str, torch.Tensor] | None:
+def gather_full_params(
+    stage: GPTStage, groups: ProcessGroupCollection, values: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor] | None:
     """A collective over the world: full params keyed by their single-process names, on rank 0 (None
-    elsewhere). TP shards are concatenated; each param is taken from its first data-parallel replica."""
+    elsewhere). TP shards are concatenated; each param is taken from its first data-parallel replica.
+    ``values`` (by the stage's own names) stand in for params whose module tensors are not whole."""
     kept: dict[str, torch.Tensor] = {}
     for name, param in stage.named_parameters():
-        value = param.detach()
+        value = (values[name] if values is not None else param.detach()).to(param.device)
         dim = getattr(param, "partition_dim", None)
         if dim is not None and group_size(groups.tp) > 1:
             parts = [torch.empty_like(value) for _ in range(group_size(groups.tp))]

@@ -96,6 +96,12 @@ class Wrapped:
             self.model.disable_forward_pre_hook(param_sync=True)
             self.model.enable_forward_pre_hook()
 
+    def current_params(self) -> dict[str, torch.Tensor] | None:
+        """The stage's params by name where the module does not hold them whole; None: read the module
+        (after settling any deferred gather)."""
+        self.settle_params()
+        return None
+
     def comm_bytes(self) -> int:
         """Payload this rank handed to grad/param collectives since the last zero_grad_buffer."""
         return sum(group.stats.total_bytes for group in self.model.grad_buffers.all_bucket_groups)
@@ -104,9 +110,9 @@ class Wrapped:
 class FSDPWrapped(Wrapped):
     checkpoint_format = "dcp"  # torch.distributed.checkpoint: resumes at another data-parallel size too
 
-    def settle_params(self) -> None:
-        """Gather every weight whole (ZeRO-3 keeps them until the next forward), so the params are current."""
-        self.model.all_gather_and_wait_parameters_ready(list(self.model.module.parameters()), prefetch=False)
+    def current_params(self) -> dict[str, torch.Tensor] | None:
+        """Every weight whole, exported one bucket at a time (double buffers hold at most two blocks)."""
+        return self.model.full_state_dict(rank0_only=False)  # type: ignore[no-any-return]
 
     def comm_bytes(self) -> int:
         return int(self.model.communicated_bytes())
