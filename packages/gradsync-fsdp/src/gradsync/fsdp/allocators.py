@@ -55,7 +55,7 @@ class BufferRequest:
 
     @property
     def nbytes(self) -> int:
-        return self.size * torch.empty((), dtype=self.dtype).element_size()
+        return self.size * self.dtype.itemsize
 
 
 class BucketAllocator(ABC):
