@@ -91,5 +91,13 @@ def reference(opts: Options) -> tuple[list[float], dict[str, torch.Tensor]]:
 def reference_key(opts: Options) -> Options:
     """The reference depends on the model, data and optimizer only, not on strategy or layout."""
     return dataclasses.replace(
-        opts, strategy=BASE.strategy, tp=1, pp=1, ep=1, sequence_parallel=False, microbatches=1
+        opts,
+        strategy=BASE.strategy,
+        tp=1,
+        pp=1,
+        ep=1,
+        sequence_parallel=False,
+        microbatches=1,
+        hsdp=1,
+        hsdp_outer="no_shard",
     )

@@ -108,3 +108,13 @@ def test_double_buffers_rotating_through_four_blocks_change_nothing(layout: str)
     assert plain_params is not None
     assert losses == plain_losses
     assert all(torch.equal(params[name], plain_params[name]) for name in plain_params)
+
+
+@pytest.mark.parametrize("outer", ["no_shard", "optim"])
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_hybrid_sharding_matches_single_process(outer: str, microbatches: int) -> None:
+    """ZeRO-3 over 2 shard ranks x 2 outer replicas: the outer group all-reduces the grads (``no_shard``)
+    or also shards the optimizer state (``optim``), once per step, after the last microbatch."""
+    overrides = {"hsdp": 2, "hsdp_outer": outer, "microbatches": microbatches}
+    opts = options("fsdp-optim_grads_params", overrides)
+    check_against_reference(4, opts, LOSS_TOLERANCE, PARAM_TOLERANCE)

@@ -30,7 +30,7 @@ from toygpt.full_state import gather_full_params
 from toygpt.model import GPTConfig, GPTStage
 from toygpt.pipeline import forward_backward, global_loss
 from toygpt.report import StepRecord, progress_line, records_to_json, write_report
-from toygpt.strategies import STRATEGIES, OptimizerFactory, wrap
+from toygpt.strategies import STRATEGIES, Hybrid, OptimizerFactory, wrap
 
 from gradsync.finalize import finalize_model_grads
 from gradsync.groups import (
@@ -46,6 +46,8 @@ class Options:
     strategy: str = "ddp+distopt+overlap-param-gather"
     tp: int = 1
     pp: int = 1
+    hsdp: int = 1  # fsdp-*: this many outer replicas of the shard group (hybrid sharding)
+    hsdp_outer: str = "no_shard"  # fsdp-* with --hsdp: "optim" also shards the optimizer state over them
     ep: int = 1
     sequence_parallel: bool = False
     moe: bool = False
@@ -105,7 +107,15 @@ def run(opts: Options) -> RunResult:
         seq_len=opts.seq_len, d_model=opts.d_model, n_head=opts.n_head, n_layer=opts.n_layer, moe=opts.moe
     )
     stage = GPTStage(cfg, groups, opts.sequence_parallel).to(device, param_dtype(opts))
-    wrapped = wrap(opts.strategy, stage, groups, make_optimizer(opts), opts.bucket_size, bf16=opts.bf16)
+    wrapped = wrap(
+        opts.strategy,
+        stage,
+        groups,
+        make_optimizer(opts),
+        opts.bucket_size,
+        bf16=opts.bf16,
+        hsdp=Hybrid(opts.hsdp, opts.hsdp_outer),
+    )
     model, optimizer = wrapped.model, wrapped.optimizer
     corpus = Corpus.from_stdlib(opts.corpus_bytes)
     dp_rank, dp_size = groups.dp_cp.rank(), groups.dp_cp.size()  # type: ignore[union-attr]
@@ -181,7 +191,8 @@ def write_outputs(
     facts = {
         "strategy": f"{opts.strategy}: {STRATEGIES[opts.strategy].summary}",
         "layout": f"world {dist.get_world_size()} = dp {dp_size} × tp {opts.tp} × pp {opts.pp}, ep {opts.ep}"
-        + (", sequence parallel" if opts.sequence_parallel and opts.tp > 1 else ""),
+        + (", sequence parallel" if opts.sequence_parallel and opts.tp > 1 else "")
+        + (f"; HSDP: {opts.hsdp} outer replicas ({opts.hsdp_outer})" if opts.hsdp > 1 else ""),
         "backend": f"{dist.get_backend()} on {device}",
         "model": f"{sum(p.numel() for p in GPTStage(cfg).parameters()) / 1e6:.2f}M params, {cfg}",
         "data": f"{corpus.source}; global batch {opts.global_batch} × {opts.seq_len} bytes",

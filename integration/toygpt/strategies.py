@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gradsync.buffers import DistributedDataParallelConfig
@@ -118,6 +119,34 @@ class FSDPWrapped(Wrapped):
         return int(self.model.communicated_bytes())
 
 
+@dataclass(frozen=True)
+class Hybrid:
+    """Hybrid sharding for the fsdp strategies: ``outer`` replicas of the shard group, which replicate
+    (``no_shard``) or also shard (``optim``) the optimizer state."""
+
+    outer: int = 1
+    outer_strategy: str = "no_shard"
+
+    def index(self, groups: ProcessGroupCollection) -> FSDPDistributedIndex:
+        """The shard (and outer) mesh over the data-parallel group."""
+        assert groups.dp_cp is not None
+        if self.outer == 1:
+            return FSDPDistributedIndex.from_group(groups.dp_cp)
+        dp, tp = groups.dp_cp.size(), groups.tp.size() if groups.tp is not None else 1
+        if dp % self.outer:
+            raise ValueError(f"--hsdp {self.outer} must divide the data-parallel size {dp}")
+        index = FSDPDistributedIndex.from_sizes(
+            dp // self.outer, self.outer, tp, hsdp_outer_dp_shard=self.outer_strategy == "optim"
+        )
+        hybrid = dist.get_process_group_ranks(index.get_dp_group())
+        if hybrid != dist.get_process_group_ranks(groups.dp_cp):
+            raise ValueError(
+                f"--hsdp {self.outer}: the (outer, shard, tp) mesh's data-parallel ranks {hybrid} are not "
+                "this layout's data-parallel group; hybrid sharding needs --pp 1 and no context parallelism"
+            )
+        return index
+
+
 def _wrap_ddp(
     strategy: Strategy,
     stage: nn.Module,
@@ -125,8 +154,11 @@ def _wrap_ddp(
     make_optimizer: OptimizerFactory,
     bucket_size: int | None,
     bf16: bool,
+    hsdp: Hybrid,
 ) -> Wrapped:
     """bf16 weights get Megatron's mixed-precision recipe: grads reduced in fp32, fp32 main params."""
+    if hsdp.outer > 1:
+        raise ValueError(f"{strategy.name}: --hsdp applies to the fsdp-* strategies only")
     ddp_config = DistributedDataParallelConfig(
         bucket_size=bucket_size, grad_reduce_in_fp32=bf16, **strategy.options
     )
@@ -145,9 +177,11 @@ def _wrap_fsdp(
     make_optimizer: OptimizerFactory,
     bucket_size: int | None,
     bf16: bool,
+    hsdp: Hybrid,
 ) -> Wrapped:
-    """Each block an FSDP unit, sharded over the data-parallel group; bf16 weights get fp32 main weights
-    and fp32 main grads, as the DDP strategies' recipe. The optimizer's step installs the weights."""
+    """Each block an FSDP unit, sharded over the data-parallel group (or ``hsdp``'s shard group); bf16
+    weights get fp32 main weights and fp32 main grads, as the DDP strategies' recipe. The optimizer's step
+    installs the weights."""
     if groups.pp is not None and groups.pp.size() > 1:
         raise ValueError(f"{strategy.name}: MegatronFSDP does not support pipeline parallelism; use --pp 1")
     if any(getattr(p, "allreduce", True) is False for p in stage.parameters()):
@@ -158,12 +192,13 @@ def _wrap_fsdp(
         overlap_grad_reduce=True,
         overlap_param_gather=True,
         bucket_size=bucket_size,
+        outer_dp_sharding_strategy=hsdp.outer_strategy if hsdp.outer > 1 else "no_shard",
         **strategy.options,
     )
     policy = MixedPrecisionPolicy(torch.float32, torch.float32 if bf16 else None)
     model = MegatronFSDP(
         stage,
-        FSDPDistributedIndex.from_group(groups.dp_cp),
+        hsdp.index(groups),
         config,
         fsdp_unit_modules=[Block],
         mixed_precision_policy=policy,
@@ -185,8 +220,9 @@ def wrap(
     bucket_size: int | None = None,
     *,
     bf16: bool = False,
+    hsdp: Hybrid = Hybrid(),
 ) -> Wrapped:
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
     strategy = STRATEGIES[name]
-    return WRAPPERS[strategy.wrapper](strategy, stage, groups, make_optimizer, bucket_size, bf16)
+    return WRAPPERS[strategy.wrapper](strategy, stage, groups, make_optimizer, bucket_size, bf16, hsdp)

@@ -103,8 +103,14 @@ def reference_training(
     return named_weights(model)
 
 
-def shard_index() -> FSDPDistributedIndex:
-    return FSDPDistributedIndex.from_sizes(dist.get_world_size(), device_type=test_device().type)
+def shard_index(outer: int = 1, outer_strategy: str = "no_shard") -> FSDPDistributedIndex:
+    """The whole world as one shard group, or (``outer`` > 1) ``outer`` replicas of a shard group."""
+    return FSDPDistributedIndex.from_sizes(
+        dist.get_world_size() // outer,
+        outer,
+        hsdp_outer_dp_shard=outer_strategy == "optim",
+        device_type=test_device().type,
+    )
 
 
 def wrap(
@@ -114,8 +120,10 @@ def wrap(
     checkpoint: str | None = None,
     units: bool = True,
     main_grads_dtype: torch.dtype | None = None,
+    grad_comm_dtype: torch.dtype | None = None,
     seed: int = 0,
     layers: int = LAYERS,
+    outer: int = 1,
     **config: Any,
 ) -> MegatronFSDP:
     ddp_config = DistributedDataParallelConfig(
@@ -128,10 +136,10 @@ def wrap(
     model = TinyTransformer(seed, checkpoint=checkpoint, layers=layers).to(dtype)
     return MegatronFSDP(
         model,
-        shard_index(),
+        shard_index(outer, ddp_config.outer_dp_sharding_strategy),
         ddp_config,
         fsdp_unit_modules=[Block] if units else None,
-        mixed_precision_policy=MixedPrecisionPolicy(torch.float32, main_grads_dtype),
+        mixed_precision_policy=MixedPrecisionPolicy(torch.float32, main_grads_dtype, grad_comm_dtype),
     )
 
 
@@ -148,11 +156,22 @@ class Trainer:
     def step(self, step: int, micro: int, accumulation: str = "no_sync") -> None:
         """One optimizer step over ``micro`` microbatches, all but the last under no_sync(); the last runs
         plainly (``no_sync``), inside sync() (``sync``), with auto-sync switched on (``auto``) or under
-        no_sync() too (``deferred``: finish_grad_sync must reduce what the cycle left)."""
+        no_sync() too (``deferred``: finish_grad_sync must reduce what the cycle left); or every forward
+        first, then every backward (``forwards_first``)."""
         rank, world = dist.get_rank(), dist.get_world_size()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         batches = local_microbatches(step, rank, world, micro)
+        if accumulation == "forwards_first":  # as a pipeline schedule's warm-up: every forward, then
+            losses = [self.model(batch) / micro for batch in batches]  # every backward
+            for loss in losses[:-1]:
+                with self.model.no_sync():
+                    loss.backward()
+            losses[-1].backward()
+            self.model.finish_grad_sync()
+            self.optimizer.step()
+            self.model.install_optimized_model_weights()
+            return
         for batch in batches[:-1]:
             with self.model.no_sync():
                 (self.model(batch) / micro).backward()

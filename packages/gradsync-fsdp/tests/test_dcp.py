@@ -6,6 +6,7 @@ A full state dict on rank 0 gives every param whole, for export."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,8 +27,10 @@ from gradsync.groups.testing import run_distributed
 ROWS_PER_STEP = 4  # microbatches per step x world, the same at every DP size
 
 
-def build(strategy: str, seed: int) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
-    model = wrap(strategy, seed=seed)
+def build(
+    strategy: str, seed: int, outer: int = 1, outer_strategy: str = "no_shard"
+) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
+    model = wrap(strategy, seed=seed, outer=outer, outer_dp_sharding_strategy=outer_strategy)
     return model, fully_shard_optimizer(make_optimizer(model.parameters()))
 
 
@@ -44,16 +47,16 @@ def train(model: MegatronFSDP, optimizer: torch.optim.Optimizer, steps: range) -
         optimizer.zero_grad()
 
 
-def save_then_continue(strategy: str, directory: str) -> dict[str, torch.Tensor]:
-    model, optimizer = build(strategy, seed=0)
+def save_then_continue(strategy: str, directory: str, *hybrid: Any) -> dict[str, torch.Tensor]:
+    model, optimizer = build(strategy, 0, *hybrid)
     train(model, optimizer, range(2))
     dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=directory)
     train(model, optimizer, range(2, 4))
     return full_weights(model)
 
 
-def load_then_continue(strategy: str, directory: str) -> dict[str, torch.Tensor]:
-    model, optimizer = build(strategy, seed=1)  # other weights, to be overwritten
+def load_then_continue(strategy: str, directory: str, *hybrid: Any) -> dict[str, torch.Tensor]:
+    model, optimizer = build(strategy, 1, *hybrid)  # other weights, to be overwritten
     state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
     dcp.load(state, checkpoint_id=directory)
     model.load_state_dict(state["model"])
@@ -75,6 +78,27 @@ def test_checkpoint_reshards_across_dp_sizes(
             assert all(torch.equal(weights[k], uninterrupted[k]) for k in uninterrupted), rank
         else:
             assert max_relative_difference(weights, uninterrupted) <= 1e-6, rank
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [
+        ((4, 2, "optim"), (2, 1, "no_shard")),
+        ((2, 1, "no_shard"), (4, 2, "optim")),
+        ((4, 2, "no_shard"), (4, 2, "optim")),
+    ],
+    ids=["hfsdp2x2-to-dp2", "dp2-to-hfsdp2x2", "hsdp2x2-to-hfsdp2x2"],
+)
+def test_hybrid_checkpoints_reshard(
+    saved: tuple[int, int, str], loaded: tuple[int, int, str], tmp_path: Path
+) -> None:
+    """Outer replicas (HSDP) write their shards once; outer-sharded state (HFSDP) loads anywhere."""
+    directory = str(tmp_path / "ckpt")
+    strategy = "optim_grads_params"
+    uninterrupted = run_distributed(save_then_continue, saved[0], args=(strategy, directory, *saved[1:]))[0]
+    resumed = run_distributed(load_then_continue, loaded[0], args=(strategy, directory, *loaded[1:]))
+    for rank, weights in enumerate(resumed):
+        assert max_relative_difference(weights, uninterrupted) <= 1e-6, rank
 
 
 def export(strategy: str) -> dict[str, torch.Tensor]:

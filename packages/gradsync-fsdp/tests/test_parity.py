@@ -37,7 +37,7 @@ def test_matches_single_process(strategy: str, world: int) -> None:
         assert max_relative_difference(weights, reference(world, 1, STEPS)) <= 1e-6, rank
 
 
-@pytest.mark.parametrize("accumulation", ["no_sync", "sync", "auto", "deferred"])
+@pytest.mark.parametrize("accumulation", ["no_sync", "sync", "auto", "deferred", "forwards_first"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_gradient_accumulation_over_four_microbatches(strategy: str, accumulation: str) -> None:
     results = run_distributed(train, 2, args=(strategy, 4, 4, accumulation, {}))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from gradsync.buffers.collectives import Launched, all_gather_shards, all_reduce, reduce_scatter
 
 from .allocators import BucketAllocator, BufferRequest, StorageResizeBucketAllocator, TemporaryBucketAllocator
+from .hsdp import OuterReplication
 from .layout import BucketLayout, compute_bucket_layout
 from .mixed_precision import MixedPrecisionPolicy
 from .strategy import Sharding
@@ -65,9 +66,14 @@ class BucketAllocators:
         return cls(StorageResizeBucketAllocator(), TemporaryBucketAllocator())
 
 
-def bucket_layout(spec: BucketSpec, sharding: Sharding, group: dist.ProcessGroup) -> BucketLayout:
-    """The bucket's flat layout: cut into the group's shards when main weights are sharded."""
-    return compute_bucket_layout([p.shape for p in spec.params], group.size() if sharding.shard_main else 1)
+def bucket_layout(
+    spec: BucketSpec, sharding: Sharding, group: dist.ProcessGroup, outer: OuterReplication | None = None
+) -> BucketLayout:
+    """The bucket's flat layout: cut into the group's shards when main weights are sharded, and each
+    shard into the outer pieces with outer ``optim``."""
+    pieces = outer.pieces if outer is not None else 1
+    world = group.size() * pieces if sharding.shard_main else 1
+    return compute_bucket_layout([p.shape for p in spec.params], world)
 
 
 class FlatParamBucket:
@@ -82,11 +88,19 @@ class FlatParamBucket:
         group: dist.ProcessGroup,
         device: torch.device,
         allocators: BucketAllocators | None = None,
+        outer: OuterReplication | None = None,
     ) -> None:
         self.bucket_id, self.spec, self.sharding, self.group = bucket_id, spec, sharding, group
-        self.rank = group.rank()
-        self.layout: BucketLayout = bucket_layout(spec, sharding, group)
-        self.shard_lo, self.shard_hi = self.layout.shard_range(self.rank if sharding.shard_main else 0)
+        self.outer = outer
+        self.layout: BucketLayout = bucket_layout(spec, sharding, group, outer)
+        pieces = outer.pieces if outer is not None else 1
+        # This rank's shard of the layout: inner rank i, outer piece o -> i*M + o (spec §2.6).
+        self.rank = group.rank() * pieces + (outer.piece if outer is not None else 0)
+        self.shard_lo, self.shard_hi = 0, self.layout.size  # the inner shard: gathers and grads
+        if sharding.shard_main:
+            self.shard_lo = group.rank() * pieces * self.layout.shard_size
+            self.shard_hi = self.shard_lo + pieces * self.layout.shard_size
+        self._outer_stale = False  # outer optim: other pieces of the inner weight shard are outdated
         self.dtype, self.device = spec.dtype, device
         self.allocators = allocators or BucketAllocators.dynamic()
 
@@ -106,9 +120,9 @@ class FlatParamBucket:
 
         main_dtype = policy.main_dtype(self.dtype)
         self.main_weight: torch.Tensor | None = None
-        if main_dtype != self.dtype:
+        if main_dtype != self.dtype or pieces > 1:
             lo, hi = self.main_range
-            self.main_weight = self.weight[lo:hi].to(main_dtype)
+            self.main_weight = self.weight[lo:hi].to(main_dtype, copy=True)
 
         self.grad_dtype = policy.grad_dtype(self.dtype)
         self.comm_dtype = policy.comm_dtype(self.dtype)
@@ -139,7 +153,7 @@ class FlatParamBucket:
     @property
     def main_range(self) -> tuple[int, int]:
         """Buffer coordinates the main weights (and the optimizer) cover on this rank."""
-        return (self.shard_lo, self.shard_hi) if self.sharding.shard_main else (0, self.layout.size)
+        return self.layout.shard_range(self.rank) if self.sharding.shard_main else (0, self.layout.size)
 
     @property
     def grad_range(self) -> tuple[int, int]:
@@ -196,10 +210,21 @@ class FlatParamBucket:
             return
         if self.weight_shard is not None:
             self._point_params_at(self.allocators.weights.allocate(self.bucket_id, self.weight_request))
-            self.weight[self.shard_lo : self.shard_hi].copy_(self.weight_shard)
-        self._gather = all_gather_shards(self.weight, self.group)
-        self.communicated_bytes += self.weight.numel() * self.weight.element_size()
+        if self._outer_stale:  # outer optim, first gather after a step: the outer pieces first
+            assert self.outer is not None
+            assert self.weight_shard is not None
+            self._outer_stale = False
+            self.communicated_bytes += self.weight_shard.numel() * self.weight_shard.element_size()
+            self._gather = all_gather_shards(self.weight_shard, self.outer.group).then(self._gather_inner)
+        else:
+            self._gather = self._gather_inner()
         self.status = BucketStatus.COMMUNICATING
+
+    def _gather_inner(self) -> Launched:
+        if self.weight_shard is not None:
+            self.weight[self.shard_lo : self.shard_hi].copy_(self.weight_shard)
+        self.communicated_bytes += self.weight.numel() * self.weight.element_size()
+        return all_gather_shards(self.weight, self.group)
 
     def wait_gather(self) -> None:
         if self.status is BucketStatus.EMPTY:
@@ -239,8 +264,12 @@ class FlatParamBucket:
         with torch.no_grad():
             if self.main_weight is not None:
                 lo, hi = self.main_range
-                target = self.weight_shard if self.weight_shard is not None else self.weight[lo:hi]
+                if self.weight_shard is not None:
+                    target = self.weight_shard[lo - self.shard_lo : hi - self.shard_lo]
+                else:
+                    target = self.weight[lo:hi]
                 target.copy_(self.main_weight)
+        self._outer_stale = self.outer is not None and self.outer.pieces > 1
         self.mark_replicas_stale()
         self._mark_installed()
 
@@ -252,6 +281,7 @@ class FlatParamBucket:
             if self.main_weight is not None:
                 lo, hi = self.main_range
                 self.main_weight.copy_(self.weight[lo:hi])
+        self._outer_stale = False
         self._mark_installed()
 
     # --- grads -------------------------------------------------------------------------------------
@@ -303,10 +333,11 @@ class FlatParamBucket:
     def _refuse_non_finite(self, wire: torch.Tensor) -> None:
         """Raise on every rank, naming the ranks, if any rank's unreduced grads hold NaN or Inf. The flags
         are gathered first, so no rank raises while the others wait in the reduction."""
+        group = self.outer.hybrid_group if self.outer is not None else self.group
         mine = (~torch.isfinite(wire).all()).to(torch.int32).reshape(1)
-        flags = torch.empty(self.group.size(), dtype=torch.int32, device=wire.device)
-        dist.all_gather_into_tensor(flags, mine, group=self.group)
-        bad = [dist.get_global_rank(self.group, r) for r, flag in enumerate(flags.tolist()) if flag]
+        flags = torch.empty(group.size(), dtype=torch.int32, device=wire.device)
+        dist.all_gather_into_tensor(flags, mine, group=group)
+        bad = [dist.get_global_rank(group, r) for r, flag in enumerate(flags.tolist()) if flag]
         if bad:
             raise RuntimeError(
                 f"MegatronFSDP (check_for_nan_in_grad=True): NaN or Inf in the grads of bucket "
@@ -320,6 +351,32 @@ class FlatParamBucket:
             self._drop_unreduced()
         elif wire is not self.grad:
             self.grad.copy_(wire)
+
+    def launch_outer_reduce(self, reduction: GradReduction) -> Launched:
+        """The cycle's outer stage: all-reduce the grads this rank's optimizer steps over the outer group
+        (outer ``no_shard``), or reduce-scatter the inner grad shard into this rank's piece (``optim``).
+        The inner stage already applied the scaling factor."""
+        assert self.outer is not None
+        assert self.grad is not None
+        base = self.grad_range[0]
+        if self.outer.shard:
+            region = self.grad
+        else:
+            lo, hi = self.main_range
+            region = self.grad[lo - base : hi - base]
+        wire = region if self.comm_dtype == region.dtype else region.to(self.comm_dtype)
+        if self.outer.shard:
+            launched = reduce_scatter(wire, self.outer.group, average=reduction.average)
+        else:
+            launched = all_reduce(wire, self.outer.group, average=reduction.average)
+        if wire is not region:
+
+            def copy_back() -> None:
+                region.copy_(wire)
+
+            launched.after.append(copy_back)
+        self.communicated_bytes += wire.numel() * wire.element_size()
+        return launched
 
     def grad_view(self, index: int) -> torch.Tensor | None:
         """Item ``index``'s reduced grad rows owned by this rank (None when it owns none)."""

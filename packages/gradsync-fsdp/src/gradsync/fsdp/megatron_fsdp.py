@@ -37,6 +37,7 @@ from .hooks import (
     on_first_output_grad,
     set_state,
 )
+from .hsdp import optimizer_placements, outer_replication
 from .mixed_precision import MixedPrecisionPolicy
 from .optimizer_params import attach_grads, build_optimizer_params
 from .strategy import parse_strategy
@@ -95,6 +96,7 @@ class MegatronFSDP(nn.Module):
         self.mp_policy = mixed_precision_policy or _policy_from_config(ddp_config)
         self.device = device if device is not None else _module_device(module)
         refuse_unsupported(ddp_config, dist_index, self.device, init_model_with_meta_device)
+        self.outer = outer_replication(ddp_config, dist_index, self.sharding)
         if device is not None:
             module.to(device)
         self.module = module
@@ -102,17 +104,19 @@ class MegatronFSDP(nn.Module):
 
         group = dist_index.get_fsdp_group()
         named = list(module.named_parameters())
-        check_params_match_across_ranks(named, group, who="MegatronFSDP")
+        check_params_match_across_ranks(named, dist_index.get_dp_group(), who="MegatronFSDP")
         self.fsdp_unit_modules = resolve_unit_classes(fsdp_unit_modules)
         self.units = find_units(module, self.fsdp_unit_modules)
         bucket_size = None if disable_bucketing else ddp_config.bucket_size
         specs = group_into_buckets(module, self.units, bucket_size)
-        layouts = [bucket_layout(spec, self.sharding, group) for spec in specs]
+        layouts = [bucket_layout(spec, self.sharding, group, self.outer) for spec in specs]
         self.allocators, self.nccl_ub_pool = choose_allocators(
             ddp_config, specs, layouts, self.mp_policy, group, self.device
         )
         self.buckets = [
-            FlatParamBucket(i, spec, self.sharding, self.mp_policy, group, self.device, self.allocators)
+            FlatParamBucket(
+                i, spec, self.sharding, self.mp_policy, group, self.device, self.allocators, self.outer
+            )
             for i, spec in enumerate(specs)
         ]
         for allocator in (self.allocators.weights, self.allocators.grads):
@@ -126,9 +130,13 @@ class MegatronFSDP(nn.Module):
         self.param_to_name = {p: n for n, p in named}
         self._position = {p: (b, i) for b in self.buckets for i, p in enumerate(b.spec.params)}
         self.raw_param = dict(named)
-        mesh = dist_index.get_submesh(dist_index.dp_shard_dim or "")
-        self._mesh = mesh
-        self._optimizer_params = [build_optimizer_params(b, mesh) for b in self.buckets]
+        shard_dim = dist_index.dp_shard_dim or ""
+        dims = (dist_index.dp_outer_dim, shard_dim) if dist_index.dp_outer_dim else (shard_dim,)
+        self._mesh = dist_index.get_submesh(dims)
+        self._placements = optimizer_placements(self.sharding, self.outer)
+        self._optimizer_params = [
+            build_optimizer_params(b, self._mesh, self._placements) for b in self.buckets
+        ]
         self.sharded_param_of = {
             raw: dist_p
             for b, params in zip(self.buckets, self._optimizer_params, strict=True)
@@ -156,6 +164,7 @@ class MegatronFSDP(nn.Module):
         self._ready: dict[int, set[int]] = {b.bucket_id: set() for b in self.buckets}
         self._reduced_this_cycle: set[int] = set()
         self._pending: set[int] = set()
+        self._outer_pending: set[int] = set()  # HSDP: inner-reduced this cycle, the outer stage not run
         self._completed: set[int] = set()
         self._in_flight: list[tuple[Any, int]] = []  # (launched reduction, its elements)
         self._in_backward = False
@@ -209,7 +218,7 @@ class MegatronFSDP(nn.Module):
         """Every param whole, as plain CPU tensors keyed like the wrapped module's own state dict (tied
         aliases included), for inference or export. A collective: every rank of the shard group calls it;
         with ``rank0_only`` only the group's rank 0 gets the tensors, the others an empty dict."""
-        keep = not rank0_only or self.dist_index.get_fsdp_group().rank() == 0
+        keep = not rank0_only or self.dist_index.get_dp_group().rank() == 0
         state = self.module.state_dict(keep_vars=True)
         names_of: dict[torch.Tensor, list[str]] = {}
         for name, tensor in state.items():
@@ -308,6 +317,11 @@ class MegatronFSDP(nn.Module):
         self._in_backward = True
         self._grads_finished = False
         set_state(self.module, TrainingState.PRE_BACKWARD)
+        if self.sharding.shard_params:  # an earlier microbatch's backward may have released them
+            for bucket in self._non_unit_buckets:
+                bucket.launch_gather()
+            for bucket in self._non_unit_buckets:
+                bucket.wait_gather()
         torch.autograd.Variable._execution_engine.queue_callback(self._root_post_backward)
 
     def _unit_pre_backward(self, unit_id: int) -> None:
@@ -326,10 +340,11 @@ class MegatronFSDP(nn.Module):
             grad = p.grad
             if grad is None:
                 return
-            if bucket.bucket_id in self._reduced_this_cycle and not self.sharding.shard_grads:
+            if bucket.bucket_id in self._reduced_this_cycle:
                 raise RuntimeError(
                     f"MegatronFSDP: a grad of {name!r} arrived after its bucket was already reduced this "
-                    "cycle, and adding it would count earlier microbatches twice. Run all but the last "
+                    "cycle (over the whole data-parallel group), and adding it would count earlier "
+                    "microbatches twice. Run all but the last "
                     "microbatch under no_sync() (or leave model auto-sync off), or call zero_grad_buffer() "
                     "between optimizer steps."
                 )
@@ -351,7 +366,11 @@ class MegatronFSDP(nn.Module):
     def _reduces_now(self) -> bool:
         if self.sharding.shard_grads:
             return True
-        return self.ddp_config.overlap_grad_reduce and (self.is_last_microbatch or self.model_auto_sync)
+        return self.ddp_config.overlap_grad_reduce and self._cycle_ends()
+
+    def _cycle_ends(self) -> bool:
+        """Whether this backward is the cycle's last: the once-per-cycle reductions run in it."""
+        return self.is_last_microbatch or self.model_auto_sync
 
     def _bucket_complete(self, bucket: FlatParamBucket) -> None:
         self._ready[bucket.bucket_id] = set()
@@ -362,8 +381,11 @@ class MegatronFSDP(nn.Module):
             self._pending.add(bucket.bucket_id)
 
     def _launch_reduce(self, bucket: FlatParamBucket) -> None:
+        """Launch ``bucket``'s reduction over the shard group, and the outer stage after it when it ends
+        the cycle (HSDP; ZeRO-2/3 accumulate in the shard until then)."""
         self._pending.discard(bucket.bucket_id)
-        if not self.sharding.shard_grads:
+        ends_cycle = not self.sharding.shard_grads or self._cycle_ends()
+        if ends_cycle and (self.outer is not None or not self.sharding.shard_grads):
             self._reduced_this_cycle.add(bucket.bucket_id)
         self._wait_reductions_until(bucket.can_take_grads)  # a bucket without grads needs a buffer now
         elements = bucket.layout.size
@@ -373,7 +395,19 @@ class MegatronFSDP(nn.Module):
         ):
             self._in_flight.pop(0)[0].wait()  # bound the reductions in flight (and their buffers)
         launched = bucket.launch_reduce(self._reduction, self.ddp_config.check_for_nan_in_grad)
+        if self.outer is not None:
+            if ends_cycle:
+                self._outer_pending.discard(bucket.bucket_id)
+                launched.after.append(lambda: self._launch_outer_reduce(bucket))
+            else:
+                self._outer_pending.add(bucket.bucket_id)
         self._in_flight.append((launched, elements))
+
+    def _launch_outer_reduce(self, bucket: FlatParamBucket) -> None:
+        """Queue ``bucket``'s outer stage; it needs the inner reduction's result, so it starts once that
+        one is waited."""
+        self._reduced_this_cycle.add(bucket.bucket_id)
+        self._in_flight.append((bucket.launch_outer_reduce(self._reduction), bucket.layout.size))
 
     def _root_post_backward(self) -> None:
         """End of the backward: every grad bucket not completed by its hooks (some param got no grad on
@@ -400,9 +434,8 @@ class MegatronFSDP(nn.Module):
             self._in_flight.pop(0)[0].wait()
 
     def _wait_reductions(self) -> None:
-        in_flight, self._in_flight = self._in_flight, []
-        for launched, _ in in_flight:
-            launched.wait()
+        while self._in_flight:  # waiting an inner reduction may queue its outer stage
+            self._in_flight.pop(0)[0].wait()
 
     # --- gathers -----------------------------------------------------------------------------------
     def _gather_unit(self, unit_id: int, prefetch: int | None) -> None:
@@ -478,6 +511,11 @@ class MegatronFSDP(nn.Module):
         for bucket in self.buckets:
             if bucket.bucket_id in self._pending:
                 self._launch_reduce(bucket)
+        if self._outer_pending:  # ZeRO-2/3 under HSDP whose last backward ran under no_sync()
+            self._wait_reductions()
+            for bucket_id in sorted(self._outer_pending):
+                self._launch_outer_reduce(self.buckets[bucket_id])
+            self._outer_pending.clear()
 
     def synchronize_gradient_reduce(self) -> None:
         """Launch pending reductions and wait for every reduction in flight."""
@@ -488,7 +526,7 @@ class MegatronFSDP(nn.Module):
         """Give the optimizer's params their reduced grads."""
         for bucket, params in zip(self.buckets, self._optimizer_params, strict=True):
             if bucket.spec.requires_grad:
-                attach_grads(bucket, params, self._mesh)
+                attach_grads(bucket, params, self._mesh, self._placements)
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Every grad of the cycle reduced exactly once, then attached to the optimizer's params. Calling
@@ -524,6 +562,7 @@ class MegatronFSDP(nn.Module):
                 param.grad = None
         self._reduced_this_cycle.clear()
         self._pending.clear()
+        self._outer_pending.clear()
         self._grads_finished = False
         for bucket in self.buckets:
             bucket.communicated_bytes = 0
@@ -540,7 +579,7 @@ class MegatronFSDP(nn.Module):
         """Make every rank's weights DP rank 0's: gather each bucket whole, broadcast it, re-shard. Under
         ZeRO-3 each rank kept only its shard of its own initial weights, so what is broadcast is the
         gathered model: build identical models (same seed) or load a state dict to start from one."""
-        group = self.dist_index.get_fsdp_group()
+        group = self.dist_index.get_dp_group()  # every replica, outer ones included
         src = dist.get_global_rank(group, 0)
         for bucket in self.buckets:
             bucket.wait_gather()

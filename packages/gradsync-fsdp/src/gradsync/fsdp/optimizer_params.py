@@ -7,10 +7,12 @@ a param: the DTensor carries the param's global shape explicitly. ``no_shard`` p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement
 
 from .bucket import FlatParamBucket
 from .dcp import FIRST_ROW, describe_shard
@@ -33,20 +35,23 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return torch.empty(shape, device="meta").stride()
 
 
-def as_dtensor(local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size, sharded: bool) -> DTensor:
-    placement = Shard(0) if sharded else Replicate()
+def as_dtensor(
+    local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size, placements: Sequence[Placement]
+) -> DTensor:
     return DTensor.from_local(
-        local, mesh, [placement], run_check=False, shape=shape, stride=_contiguous_stride(shape)
+        local, mesh, placements, run_check=False, shape=shape, stride=_contiguous_stride(shape)
     )
 
 
-def build_optimizer_params(bucket: FlatParamBucket, mesh: DeviceMesh) -> list[nn.Parameter]:
+def build_optimizer_params(
+    bucket: FlatParamBucket, mesh: DeviceMesh, placements: Sequence[Placement]
+) -> list[nn.Parameter]:
     """One DTensor parameter per param of ``bucket``, viewing the optimizer's part of the buffers."""
     source, base = bucket.optimizer_source()
     params = []
     for index, raw in enumerate(bucket.spec.params):
         local = bucket.local_view(source, base, index)
-        dtensor = as_dtensor(local, mesh, raw.shape, bucket.sharding.shard_main)
+        dtensor = as_dtensor(local, mesh, raw.shape, placements)
         param = nn.Parameter(dtensor, requires_grad=raw.requires_grad)
         if bucket.sharding.shard_main:
             first_row = bucket.owned_rows(index)[0]
@@ -59,7 +64,9 @@ def build_optimizer_params(bucket: FlatParamBucket, mesh: DeviceMesh) -> list[nn
     return params
 
 
-def attach_grads(bucket: FlatParamBucket, params: list[nn.Parameter], mesh: DeviceMesh) -> None:
+def attach_grads(
+    bucket: FlatParamBucket, params: list[nn.Parameter], mesh: DeviceMesh, placements: Sequence[Placement]
+) -> None:
     """Give each optimizer param its reduced grad (a view when dtypes match, else a cast copy); None
     where this rank owns no rows, so the optimizer skips it."""
     for index, param in enumerate(params):
@@ -69,4 +76,4 @@ def attach_grads(bucket: FlatParamBucket, params: list[nn.Parameter], mesh: Devi
             continue
         if local.dtype != param.dtype:
             local = local.to(param.dtype)
-        param.grad = as_dtensor(local, mesh, param.shape, bucket.sharding.shard_main)
+        param.grad = as_dtensor(local, mesh, param.shape, placements)

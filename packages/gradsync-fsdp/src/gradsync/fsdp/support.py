@@ -1,6 +1,6 @@
 """Which config fields MegatronFSDP honours; the rest are refused by name before any collective.
 
-CUDA-only features are refused off CUDA/NCCL with ValueError; features not built yet (HSDP, meta-device
+CUDA-only features are refused off CUDA/NCCL with ValueError; features not built yet (meta-device
 init, fp8) raise NotImplementedError naming the field, instead of being silently ignored.
 """
 
@@ -30,7 +30,6 @@ BUILT_CUDA_ONLY_FIELDS = ("nccl_ub", "disable_symmetric_registration")
 NOT_YET_FIELDS = (
     "fsdp_db_use_persist_buf_on_alloc_fail",
     "megatron_fsdp_max_pool_double_buffer",
-    "outer_dp_sharding_strategy",
     "megatron_fsdp_use_decoupled_grad",
     "megatron_fsdp_enable_fine_grained_param_gather",
     "num_distributed_optimizer_instances",
@@ -83,10 +82,6 @@ def refuse_unsupported(
         )
     if init_model_with_meta_device:
         raise NotImplementedError("MegatronFSDP: init_model_with_meta_device is not implemented yet")
-    if dist_index.use_hybrid_fsdp:
-        raise NotImplementedError(
-            "MegatronFSDP: hybrid sharding (dist_index with dp_outer_dim) is not implemented yet"
-        )
 
 
 def _check_buffering(config: DistributedDataParallelConfig) -> None:
