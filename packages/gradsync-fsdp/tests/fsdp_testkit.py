@@ -45,7 +45,8 @@ class TinyTransformer(nn.Module):
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embedding.weight  # tied
         self.checkpoint = checkpoint
-        self.to(test_device())
+        if not self.embedding.weight.is_meta:  # built under torch.device("meta"): MegatronFSDP places it
+            self.to(test_device())
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens)

@@ -13,6 +13,7 @@ themselves), so its in-place updates land in the buffer.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum
 
@@ -23,7 +24,7 @@ from gradsync.buffers.collectives import Launched, all_gather_shards, all_reduce
 
 from .allocators import BucketAllocator, BufferRequest, StorageResizeBucketAllocator, TemporaryBucketAllocator
 from .hsdp import OuterReplication
-from .layout import BucketLayout, compute_bucket_layout
+from .layout import BucketLayout, ItemPlacement, compute_bucket_layout
 from .mixed_precision import MixedPrecisionPolicy
 from .strategy import Sharding
 from .units import BucketSpec
@@ -89,7 +90,9 @@ class FlatParamBucket:
         device: torch.device,
         allocators: BucketAllocators | None = None,
         outer: OuterReplication | None = None,
+        unset: Collection[torch.Tensor] = (),
     ) -> None:
+        """``unset``: params without values yet (meta-device init); :meth:`write_param` sets them."""
         self.bucket_id, self.spec, self.sharding, self.group = bucket_id, spec, sharding, group
         self.outer = outer
         self.layout: BucketLayout = bucket_layout(spec, sharding, group, outer)
@@ -111,7 +114,8 @@ class FlatParamBucket:
         with torch.no_grad():
             weight.zero_()  # the padding stays zero
             for param, item in zip(spec.params, self.layout.items, strict=True):
-                self._item_view(weight, 0, item.offset, item.end, item.shape).copy_(param.detach())
+                if param not in unset:
+                    self._item_view(weight, 0, item.offset, item.end, item.shape).copy_(param.detach())
         self.weight = weight
         self._point_params_at_weight()
         self.weight_shard = (
@@ -273,6 +277,20 @@ class FlatParamBucket:
         self.mark_replicas_stale()
         self._mark_installed()
 
+    def write_param(self, index: int, value: torch.Tensor) -> None:
+        """Set item ``index`` to ``value`` (the whole param) in the compute and main weights this rank
+        keeps, so no whole bucket is needed (meta-device init)."""
+        item = self.layout.items[index]
+        flat = value.reshape(-1)
+        with torch.no_grad():
+            if self.weight_shard is None:
+                self.weight[item.offset : item.end].copy_(flat)
+            else:
+                _copy_overlap(self.weight_shard, self.shard_lo, flat, item)
+            if self.main_weight is not None:
+                _copy_overlap(self.main_weight, self.main_range[0], flat, item)
+        self._mark_installed()
+
     def reset_from_weights(self) -> None:
         """Re-derive this rank's weight shard and main weights from the whole compute buffer."""
         with torch.no_grad():
@@ -388,3 +406,11 @@ class FlatParamBucket:
         if self.grad is not None:
             self.grad.zero_()
         self._drop_unreduced()
+
+
+def _copy_overlap(target: torch.Tensor, base: int, flat: torch.Tensor, item: ItemPlacement) -> None:
+    """Copy the part of ``flat`` (item ``item``'s values) that ``target`` (starting at buffer coordinate
+    ``base``) covers."""
+    start, end = max(item.offset, base), min(item.end, base + target.numel())
+    if start < end:
+        target[start - base : end - base].copy_(flat[start - item.offset : end - item.offset])

@@ -21,6 +21,7 @@ from gradsync.groups import FSDPDistributedIndex
 
 from .dcp import describe_optimizer_state
 from .megatron_fsdp import MegatronFSDP
+from .meta_init import ParamInitFn
 from .mixed_precision import MixedPrecisionPolicy
 from .strategy import STRATEGY_NAMES, parse_strategy
 from .units import UnitEntry
@@ -45,6 +46,7 @@ def fully_shard_model(
     average_in_collective: bool = False,
     disable_bucketing: bool = False,
     calculate_per_token_loss: bool = False,
+    param_init_fn: ParamInitFn | None = None,
     **cuda_only: Any,
 ) -> MegatronFSDP:
     """Wrap ``module`` in :class:`MegatronFSDP` with ``zero_dp_strategy`` (0-3 or its name).
@@ -67,7 +69,9 @@ def fully_shard_model(
         )
     if device_mesh is None:
         device_type = _params_device(module, device).type
-        dist_index = FSDPDistributedIndex.from_sizes(dist.get_world_size(), device_type=device_type)
+        dist_index = FSDPDistributedIndex.from_sizes(
+            dist.get_world_size(), device_type=None if device_type == "meta" else device_type
+        )
     else:
         dist_index = FSDPDistributedIndex(
             device_mesh,
@@ -97,6 +101,7 @@ def fully_shard_model(
         init_model_with_meta_device=init_model_with_meta_device,
         sync_model_each_microbatch=sync_model_each_microbatch,
         mixed_precision_policy=mixed_precision_policy or MixedPrecisionPolicy(),
+        param_init_fn=param_init_fn,
     )
 
 

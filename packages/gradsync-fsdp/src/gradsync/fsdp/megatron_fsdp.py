@@ -38,6 +38,7 @@ from .hooks import (
     set_state,
 )
 from .hsdp import optimizer_placements, outer_replication
+from .meta_init import ParamInitFn, materialize, replace_meta_params
 from .mixed_precision import MixedPrecisionPolicy
 from .optimizer_params import attach_grads, build_optimizer_params
 from .strategy import parse_strategy
@@ -79,7 +80,12 @@ class MegatronFSDP(nn.Module):
         fsdp_double_buffer: bool = False,
         disable_symmetric_registration: bool = False,
         mixed_precision_policy: MixedPrecisionPolicy | None = None,
+        *,
+        param_init_fn: ParamInitFn | None = None,
     ) -> None:
+        """``init_model_with_meta_device``: ``module`` was built on the meta device; it is materialised
+        module by module into the shards (:mod:`gradsync.fsdp.meta_init`), by ``param_init_fn(module)``
+        (gradsync's addition) or each module's ``reset_parameters()``."""
         super().__init__()
         if ddp_config is None:
             ddp_config = dataclasses.replace(
@@ -94,9 +100,11 @@ class MegatronFSDP(nn.Module):
         self.data_parallel_sharding_strategy = self.sharding.name
         self.dist_index = dist_index
         self.mp_policy = mixed_precision_policy or _policy_from_config(ddp_config)
-        self.device = device if device is not None else _module_device(module)
-        refuse_unsupported(ddp_config, dist_index, self.device, init_model_with_meta_device)
+        self.device = _resolve_device(device, module, dist_index, init_model_with_meta_device)
+        refuse_unsupported(ddp_config, dist_index, self.device)
         self.outer = outer_replication(ddp_config, dist_index, self.sharding)
+        meta_params = replace_meta_params(module, self.device) if init_model_with_meta_device else {}
+        unset = set(meta_params.values())
         if device is not None:
             module.to(device)
         self.module = module
@@ -115,7 +123,7 @@ class MegatronFSDP(nn.Module):
         )
         self.buckets = [
             FlatParamBucket(
-                i, spec, self.sharding, self.mp_policy, group, self.device, self.allocators, self.outer
+                i, spec, self.sharding, self.mp_policy, group, self.device, self.allocators, self.outer, unset
             )
             for i, spec in enumerate(specs)
         ]
@@ -130,6 +138,8 @@ class MegatronFSDP(nn.Module):
         self.param_to_name = {p: n for n, p in named}
         self._position = {p: (b, i) for b in self.buckets for i, p in enumerate(b.spec.params)}
         self.raw_param = dict(named)
+        if unset:
+            materialize(module, unset, self._write_param, param_init_fn)
         shard_dim = dist_index.dp_shard_dim or ""
         dims = (dist_index.dp_outer_dim, shard_dim) if dist_index.dp_outer_dim else (shard_dim,)
         self._mesh = dist_index.get_submesh(dims)
@@ -144,6 +154,8 @@ class MegatronFSDP(nn.Module):
         }
         for dist_p in self.sharded_param_of.values():
             dist_p._megatron_fsdp_model = self  # type: ignore[attr-defined]
+        for meta, placeholder in meta_params.items():  # an optimizer built on the meta model (fully_shard)
+            self.sharded_param_of[meta] = self.sharded_param_of[placeholder]
         self._reduction = GradReduction(
             None if calculate_per_token_loss else 1.0 / dist_index.get_dp_group().size(),
             ddp_config.average_in_collective,
@@ -362,6 +374,10 @@ class MegatronFSDP(nn.Module):
 
     def _locate(self, param: nn.Parameter) -> tuple[FlatParamBucket, int]:
         return self._position[param]
+
+    def _write_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        bucket, index = self._locate(param)
+        bucket.write_param(index, value)
 
     def _reduces_now(self) -> bool:
         if self.sharding.shard_grads:
@@ -622,6 +638,28 @@ def _module_device(module: nn.Module) -> torch.device:
     for tensor in module.parameters():
         return tensor.device
     return torch.device("cpu")
+
+
+def _resolve_device(
+    device: torch.device | None, module: nn.Module, dist_index: FSDPDistributedIndex, meta_init: bool
+) -> torch.device:
+    """Where the buffers live: ``device``, else the params' device; a meta model goes to the mesh's
+    device type (the current accelerator, or the CPU)."""
+    on_meta = [name for name, p in module.named_parameters() if p.is_meta]
+    if on_meta and not meta_init:
+        raise ValueError(
+            f"MegatronFSDP: {len(on_meta)} params are on the meta device (first {on_meta[0]!r}); pass "
+            "init_model_with_meta_device=True to materialise them shard by shard, or build the model on "
+            "a real device"
+        )
+    if device is not None:
+        return device
+    if not on_meta:
+        return _module_device(module)
+    kind = dist_index.device_mesh.device_type
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.accelerator.current_device_index())
 
 
 def _policy_from_config(config: DistributedDataParallelConfig) -> MixedPrecisionPolicy:

@@ -1,7 +1,7 @@
 """Which config fields MegatronFSDP honours; the rest are refused by name before any collective.
 
-CUDA-only features are refused off CUDA/NCCL with ValueError; features not built yet (meta-device
-init, fp8) raise NotImplementedError naming the field, instead of being silently ignored.
+CUDA-only features are refused off CUDA/NCCL with ValueError; features not built yet (fp8, decoupled
+grads, ...) raise NotImplementedError naming the field, instead of being silently ignored.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ def refuse_unsupported(
     config: DistributedDataParallelConfig,
     dist_index: FSDPDistributedIndex,
     device: torch.device,
-    init_model_with_meta_device: bool,
 ) -> None:
     """Raise, naming the field and the fix, for anything MegatronFSDP would otherwise ignore."""
     _check_index_matches_world(dist_index, device)  # first: a rank outside the mesh cannot query its group
@@ -80,8 +79,6 @@ def refuse_unsupported(
             f"MegatronFSDP: {ignored} only configure gradsync-ddp's DistributedDataParallel and would be "
             "ignored here; leave them at their defaults"
         )
-    if init_model_with_meta_device:
-        raise NotImplementedError("MegatronFSDP: init_model_with_meta_device is not implemented yet")
 
 
 def _check_buffering(config: DistributedDataParallelConfig) -> None:
