@@ -26,6 +26,7 @@ from gradsync.buffers import (
     compute_full_param_layout,
 )
 
+from .dcp_state import dcp_state, load_dcp_state
 from .distributed_data_parallel import DistributedDataParallel
 from .main_shards import ShardPiece, build_bucket_shards
 from .optimizer_state import gather_state, load_state, merge_shards, shard_state
@@ -270,6 +271,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Load a gathered state dict (from any DP size) on every rank; the loaded main params become the
         model's weights (on every rank, gathered now in sharded mode)."""
         load_state(self, state_dict)
+        self._adopt_loaded_main_params()
+
+    def dcp_state_dict(self) -> dict[str, Any]:
+        """This rank's state for ``torch.distributed.checkpoint``: flat per-param tensors, DTensor shards
+        with their true offsets with the distributed optimizer, so ``dcp.save`` / ``dcp.load`` reshard
+        across DP sizes (and between sharded and unsharded). The tensors are the optimizer's own, and
+        its state is materialised first if nothing has stepped, so ``dcp.load`` fills it in place; then
+        call :meth:`load_dcp_state_dict` with the same dict. No communication."""
+        return dcp_state(self)
+
+    def load_dcp_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Finish a ``dcp.load`` into :meth:`dcp_state_dict`'s dict: hyper-parameters and non-tensor
+        state adopted, the loaded main params written into the model's weights (gathered now in sharded
+        mode)."""
+        load_dcp_state(self, state_dict)
+        self._adopt_loaded_main_params()
+
+    def _adopt_loaded_main_params(self) -> None:
         self._write_shards_into_params()
         self._model_versions = self._current_model_versions()
         if not self.sharded:

@@ -18,12 +18,12 @@ if TYPE_CHECKING:
 MAIN_PARAM_KEY = "param"
 
 
-def _is_elementwise(value: Any, numel: int) -> bool:
+def is_elementwise(value: Any, numel: int) -> bool:
     """A state tensor with one entry per param element (exp_avg), as opposed to a scalar (step)."""
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
 
 
-def _hyperparams(opt: DistributedOptimizer) -> list[dict[str, Any]]:
+def hyperparams(opt: DistributedOptimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
 
 
@@ -35,7 +35,7 @@ def _elementwise_keys(opt: DistributedOptimizer, buffer_key: int, group: dist.Pr
         for piece in opt.pieces
         if piece.buffer_key == buffer_key
         for k, v in opt.optimizer.state.get(piece.main, {}).items()
-        if _is_elementwise(v, piece.main.numel())
+        if is_elementwise(v, piece.main.numel())
     }
     everyone: list[set[str] | None] = [None] * group.size()
     dist.all_gather_object(everyone, local, group=group)
@@ -92,13 +92,13 @@ def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
                     piece.name, {MAIN_PARAM_KEY: piece.main.detach().view(piece.param.shape).cpu()}
                 )
                 for name, value in opt.optimizer.state.get(piece.main, {}).items():
-                    if _is_elementwise(value, piece.main.numel()):
+                    if is_elementwise(value, piece.main.numel()):
                         entry[name] = value.view(piece.param.shape).cpu()
         scalars = {
             piece.name: {
                 k: v
                 for k, v in opt.optimizer.state.get(piece.main, {}).items()
-                if not _is_elementwise(v, piece.main.numel())
+                if not is_elementwise(v, piece.main.numel())
             }
             for piece in opt.pieces
             if piece.buffer_key == key
@@ -115,7 +115,7 @@ def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
                 state[param_name].update(
                     {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
                 )
-    return {"format": "gathered", "param_groups": _hyperparams(opt), "state": state}
+    return {"format": "gathered", "param_groups": hyperparams(opt), "state": state}
 
 
 def shard_state(opt: DistributedOptimizer) -> dict[str, Any]:
@@ -134,7 +134,7 @@ def shard_state(opt: DistributedOptimizer) -> dict[str, Any]:
                 },
             }
         )
-    return {"format": "sharded", "param_groups": _hyperparams(opt), "pieces": pieces}
+    return {"format": "sharded", "param_groups": hyperparams(opt), "pieces": pieces}
 
 
 def merge_shards(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -150,7 +150,7 @@ def merge_shards(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
             entry = state.setdefault(piece["name"], {})
             covered[piece["name"]] = covered.get(piece["name"], 0) + end - start
             for key, value in piece["state"].items():
-                if _is_elementwise(value, end - start):
+                if is_elementwise(value, end - start):
                     full = entry.setdefault(key, torch.zeros(numel, dtype=value.dtype))
                     full[start:end] = value
                 else:
@@ -171,13 +171,8 @@ def merge_shards(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"format": "gathered", "param_groups": shards[0]["param_groups"], "state": state}
 
 
-def load_state(opt: DistributedOptimizer, state_dict: dict[str, Any]) -> None:
-    """Slice this rank's pieces out of a gathered state dict."""
-    if state_dict.get("format") != "gathered":
-        raise ValueError(
-            "load_state_dict takes a gathered state dict; use load_sharded_state_dict for shards"
-        )
-    saved_groups = state_dict["param_groups"]
+def apply_hyperparams(opt: DistributedOptimizer, saved_groups: Sequence[dict[str, Any]]) -> None:
+    """Set every param group's hyper-parameters from a checkpoint's (the groups are index-aligned)."""
     if len(saved_groups) != len(opt.optimizer.param_groups):
         raise ValueError(
             f"the checkpoint has {len(saved_groups)} param groups, this optimizer "
@@ -185,6 +180,15 @@ def load_state(opt: DistributedOptimizer, state_dict: dict[str, Any]) -> None:
         )
     for group, saved in zip(opt.optimizer.param_groups, saved_groups, strict=True):
         group.update(saved)
+
+
+def load_state(opt: DistributedOptimizer, state_dict: dict[str, Any]) -> None:
+    """Slice this rank's pieces out of a gathered state dict."""
+    if state_dict.get("format") != "gathered":
+        raise ValueError(
+            "load_state_dict takes a gathered state dict; use load_sharded_state_dict for shards"
+        )
+    apply_hyperparams(opt, state_dict["param_groups"])
     for piece in opt.pieces:
         if piece.name not in state_dict["state"]:
             raise ValueError(f"the checkpoint has no optimizer state for {piece.name}")
@@ -192,7 +196,7 @@ def load_state(opt: DistributedOptimizer, state_dict: dict[str, Any]) -> None:
         start, end = piece.param_range
         restored: dict[str, Any] = {}
         for key, value in saved.items():
-            if _is_elementwise(value, piece.param.numel()):
+            if is_elementwise(value, piece.param.numel()):
                 sliced = value.reshape(-1)[start:end].to(piece.main.device)
                 if key == MAIN_PARAM_KEY:
                     with torch.no_grad():

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.buffers.checkpointing import materialize_optimizer_state
 from gradsync.groups import FSDPDistributedIndex
 
 from .dcp import describe_optimizer_state
@@ -141,7 +142,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
     the updated weights after, and ``optimizer.zero_grad()`` also zero the grad buffers. The state is
     materialised and its state dict described for ``torch.distributed.checkpoint``. In place."""
     model = _model_of(optimizer)
-    materialize_state(optimizer)
+    materialize_optimizer_state(optimizer)
     optimizer.register_state_dict_post_hook(_describe_state)
     base_step, base_zero_grad = optimizer.step, optimizer.zero_grad
 
@@ -170,32 +171,6 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
     return optimizer
-
-
-def materialize_state(optimizer: torch.optim.Optimizer) -> None:
-    """One step with zero grads, learning rate and weight decay, then step counters back to 0: every
-    shard gets its optimizer state, so that a checkpoint load has tensors to fill, and the next real step
-    behaves as a first one (as in the reference)."""
-    saved: list[dict[str, Any]] = [
-        {k: g[k] for k in ("lr", "weight_decay") if k in g} for g in optimizer.param_groups
-    ]
-    for group in optimizer.param_groups:
-        for key in ("lr", "weight_decay"):
-            if key in group:
-                value = group[key]
-                group[key] = torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0.0
-        for param in group["params"]:
-            if param.requires_grad and param.to_local().numel():
-                param.grad = torch.zeros_like(param)
-    optimizer.step()
-    for group, values in zip(optimizer.param_groups, saved, strict=True):
-        group.update(values)
-    for state in optimizer.state.values():
-        if isinstance(state.get("step"), torch.Tensor):
-            state["step"].zero_()
-        elif "step" in state:
-            state["step"] = 0
-    optimizer.zero_grad()
 
 
 def _describe_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:

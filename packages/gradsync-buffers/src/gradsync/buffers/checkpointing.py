@@ -1,0 +1,77 @@
+"""What sharded optimizers need to go through ``torch.distributed.checkpoint`` (DCP) and reshard.
+
+DTensor tells DCP where its local shard sits by assuming torch.chunk's even split, which neither
+gradsync-ddp's flat bucket shards nor gradsync-fsdp's row-aligned shards are. The owner knows the true
+offset of its local chunk, so :func:`describe_chunk` attaches it to the local tensor, which DTensor's DCP
+hooks consult first; no collective is needed, and an empty shard writes nothing. A load then reads, for
+each rank's chunk, whichever saved chunks overlap it, so a checkpoint loads at another data-parallel size.
+
+DCP loads into existing tensors, and optimizers create their state lazily at the first step, so
+:func:`materialize_optimizer_state` gives every param its state before a load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor, Shard
+
+TensorT = TypeVar("TensorT", bound=torch.Tensor)
+
+
+def describe_chunk(value: TensorT, offsets: Sequence[int]) -> TensorT:
+    """Attach to the DTensor ``value`` that its local tensor starts at global ``offsets``; returns it.
+    Replicated DTensors and plain tensors are returned as they are (DCP's own description is right)."""
+    if not isinstance(value, DTensor) or not any(isinstance(p, Shard) for p in value.placements):
+        return value
+    local: Any = value._local_tensor
+    start = torch.Size(offsets)
+    if len(start) != value.dim():
+        raise ValueError(f"describe_chunk: {len(start)} offsets for a {value.dim()}-dimensional tensor")
+    chunk = ChunkStorageMetadata(offsets=start, sizes=local.size())
+
+    def write_items(fqn: str, obj: Any) -> list[WriteItem]:
+        if local.numel() == 0:
+            return []
+        data = TensorWriteData(
+            chunk=chunk, properties=TensorProperties.create_from_tensor(local), size=obj.size()
+        )
+        return [WriteItem(index=MetadataIndex(fqn, start), type=WriteItemType.SHARD, tensor_data=data)]
+
+    local.__create_chunk_list__ = lambda: [chunk]
+    local.__create_write_items__ = write_items
+    return value
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+
+
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """One step with zero grads, learning rate and weight decay, then step counters back to 0: every
+    param this rank holds gets its optimizer state, so that a checkpoint load has tensors to fill, and
+    the next real step behaves as a first one. Params with no local elements are skipped."""
+    saved: list[dict[str, Any]] = [
+        {k: g[k] for k in ("lr", "weight_decay") if k in g} for g in optimizer.param_groups
+    ]
+    for group in optimizer.param_groups:
+        for key in ("lr", "weight_decay"):
+            if key in group:
+                value = group[key]
+                group[key] = torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0.0
+        for param in group["params"]:
+            if param.requires_grad and _local_numel(param):
+                param.grad = torch.zeros_like(param)
+    optimizer.step()
+    for group, values in zip(optimizer.param_groups, saved, strict=True):
+        group.update(values)
+    for state in optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"].zero_()
+        elif "step" in state:
+            state["step"] = 0
+    optimizer.zero_grad()
