@@ -66,7 +66,7 @@ def load_then_continue(strategy: str, directory: str, *hybrid: Any) -> dict[str,
 
 
 @pytest.mark.parametrize(("saved_at", "loaded_at"), [(4, 2), (2, 4), (2, 2)])
-@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
 def test_checkpoint_reshards_across_dp_sizes(
     strategy: str, saved_at: int, loaded_at: int, tmp_path: Path
 ) -> None:
