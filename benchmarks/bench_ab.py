@@ -5,6 +5,8 @@ Each figure is the median step time of the slowest rank, as a ratio to the compu
 and batch in the same processes, no wrapper, no communication) and to torch DDP.
 
     python benchmarks/bench_ab.py [--steps 30] [--bucket-mb 4 25]     (launches torchrun itself)
+
+A system named ``<system>+telemetry`` runs with communication telemetry recording (its overhead).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = [
@@ -26,6 +30,26 @@ SYSTEMS = [
     "gradsync-ddp+distopt",
     "gradsync-ddp+distopt+overlap-param-gather",
 ]
+
+
+TELEMETRY = "+telemetry"
+"""A system name ending in this runs with gradsync's communication telemetry on during its steps."""
+
+
+def with_telemetry(step: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``step`` recording into one recorder of its own (off again for the other systems' steps)."""
+    from gradsync.buffers import CommTelemetry, disable_telemetry, enable_telemetry
+
+    recorder = CommTelemetry()
+
+    def traced(tokens: Any) -> Any:
+        enable_telemetry(recorder)
+        try:
+            return step(tokens)
+        finally:
+            disable_telemetry()
+
+    return traced
 
 
 def interleaved(args: argparse.Namespace) -> None:
@@ -46,7 +70,10 @@ def interleaved(args: argparse.Namespace) -> None:
     steps = {}
     for system in args.systems:
         torch.manual_seed(0)
-        steps[system] = build(system, GPTStage(cfg), options)
+        base = system.removesuffix(TELEMETRY)
+        steps[system] = build(base, GPTStage(cfg), options)
+        if system != base:
+            steps[system] = with_telemetry(steps[system])
     corpus = Corpus.from_stdlib()
     warmup = 3
     batches = [local_rows(corpus.batch(i, 8 * world, 128), rank, world) for i in range(warmup + args.steps)]

@@ -1,5 +1,6 @@
-"""The training script under real torchrun launches: a run with its report, bit-exact checkpoint resume,
-and a killed rank. Every launch is bounded, so a hang fails the test instead of freezing CI."""
+"""The training script under real torchrun launches: a run with its report (and its trace), bit-exact
+checkpoint resume, and a killed rank. Every launch is bounded, so a hang fails the test instead of
+freezing CI."""
 
 from __future__ import annotations
 
@@ -42,6 +43,35 @@ def test_a_run_prints_progress_and_writes_its_report(tmp_path: Path) -> None:
     report = (tmp_path / "report.md").read_text()
     assert "| ddp+overlap | 4 |" in report
     assert len(json.loads((tmp_path / "metrics.json").read_text())) == 4
+
+
+def test_trace_writes_a_chrome_trace_linked_from_the_report(tmp_path: Path) -> None:
+    """``--trace``: one track group per rank, every phase of every step, the collectives labelled by
+    bucket group, and the report links the file."""
+    result = torchrun(
+        2,
+        "--steps",
+        "3",
+        "--eval-every",
+        "0",
+        "--strategy",
+        "ddp+overlap",
+        "--trace",
+        "--out-dir",
+        str(tmp_path),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    for rank in (0, 1):
+        phases = [
+            e["name"]
+            for e in sorted(spans, key=lambda e: e["ts"])
+            if e["pid"] == rank and e["cat"] == "compute"
+        ]
+        assert phases == ["forward", "backward", "finalize", "optimizer"] * 3
+        assert any(e["pid"] == rank and e["name"].startswith("bucket_group0 all_reduce") for e in spans)
+    assert "[trace.json](trace.json)" in (tmp_path / "report.md").read_text()
 
 
 def test_resume_is_bit_exact(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from toygpt.pipeline import forward_backward, global_loss
 from toygpt.report import StepRecord, progress_line, records_to_json, write_report
 from toygpt.strategies import STRATEGIES, Hybrid, OptimizerFactory, wrap
 
+from gradsync.buffers import disable_telemetry, enable_telemetry, telemetry
 from gradsync.finalize import finalize_model_grads
 from gradsync.groups import (
     default_backend,
@@ -39,6 +40,8 @@ from gradsync.groups import (
     device_for_group,
     initialize_model_parallel,
 )
+
+TRACE_FILE = "trace.json"
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class Options:
     timeout_s: float = 600
     quiet: bool = False
     collect_params: bool = False  # return the full params on rank 0 (parity tests)
+    trace: bool = False  # record communication telemetry and write trace.json (Chrome / Perfetto)
 
 
 @dataclass
@@ -131,6 +135,7 @@ def run(opts: Options) -> RunResult:
     def shard(tokens: torch.Tensor) -> list[torch.Tensor]:
         return list(local_rows(tokens, dp_rank, dp_size).to(device).chunk(opts.microbatches))
 
+    recorder = enable_telemetry() if opts.trace else None
     result = RunResult()
     for step in range(start, opts.steps):
         if step == opts.kill_at_step and rank == opts.kill_rank:
@@ -141,9 +146,11 @@ def run(opts: Options) -> RunResult:
         batch = corpus.batch(step, opts.global_batch, opts.seq_len, seed=opts.seed)
         loss = forward_backward(model, stage, shard(batch), groups.pp)
         t1 = time.perf_counter()
-        finalize_model_grads([model], pg_collection=groups)
+        with telemetry.phase("finalize"):
+            finalize_model_grads([model], pg_collection=groups)
         t2 = time.perf_counter()
-        optimizer.step()
+        with telemetry.phase("optimizer"):
+            optimizer.step()
         t3 = time.perf_counter()
         record = StepRecord(
             step + 1,
@@ -168,6 +175,11 @@ def run(opts: Options) -> RunResult:
             print(progress_line(record, opts.steps), flush=True)
         if opts.save_every and (step + 1) % opts.save_every == 0:
             checkpoint.save(ckpt_dir, step + 1, wrapped, stage, layout)
+    if recorder is not None:
+        disable_telemetry()
+        if opts.out_dir:
+            Path(opts.out_dir).mkdir(parents=True, exist_ok=True)
+            recorder.write_chrome_trace(Path(opts.out_dir) / TRACE_FILE)
     if opts.collect_params:
         result.full_params = gather_full_params(stage, groups, wrapped.current_params())
     if rank == 0 and opts.out_dir and result.records:
@@ -198,6 +210,11 @@ def write_outputs(
         "data": f"{corpus.source}; global batch {opts.global_batch} × {opts.seq_len} bytes",
         "optimizer": f"{opts.optimizer}, lr {opts.lr}",
     }
+    if opts.trace:
+        facts["trace"] = (
+            f"[{TRACE_FILE}]({TRACE_FILE}): every rank's compute phases, collectives and exposed waits; "
+            "open it in ui.perfetto.dev or chrome://tracing"
+        )
     return write_report(out, {opts.strategy: records}, facts)
 
 

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradsync.buffers import telemetry
+
 from .model import GPTStage, next_token_loss
 from .parallel_ops import group_size
 
@@ -37,7 +39,7 @@ def forward_backward(
     inputs: list[torch.Tensor] = []
     outputs: list[torch.Tensor] = []
     loss = torch.zeros((), device=device)
-    with torch.set_grad_enabled(not forward_only):
+    with torch.set_grad_enabled(not forward_only), telemetry.phase("forward"):
         for tokens in microbatches:
             if stage.pre_process:
                 x = tokens[:, :-1]
@@ -58,6 +60,19 @@ def forward_backward(
             outputs.append(y)
     if forward_only:
         return loss
+    with telemetry.phase("backward"):
+        _backward(model, stage, inputs, outputs, pp_group)
+    return loss
+
+
+def _backward(
+    model: nn.Module,
+    stage: GPTStage,
+    inputs: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+    pp_group: dist.ProcessGroup | None,
+) -> None:
+    count = len(outputs)
     for index, (x, y) in enumerate(zip(inputs, outputs, strict=True)):
         sync: AbstractContextManager[Any] = model.no_sync() if index < count - 1 else nullcontext()  # type: ignore[operator]
         with sync:
@@ -72,7 +87,6 @@ def forward_backward(
             assert pp_group is not None
             assert x.grad is not None
             dist.send(x.grad.contiguous(), _peer(pp_group, -1))
-    return loss
 
 
 def global_loss(

@@ -39,6 +39,7 @@ from .param_consistency import check_params_match_across_ranks
 from .param_ready import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
 from .scaling import gradient_scaling_factors
 from .stats import CollectiveRecord, CommStats
+from .telemetry import CommTelemetry, active_telemetry, disable_telemetry, enable_telemetry
 from .version import __version__
 
 # Megatron-Core's private names, for code that imports them (_ParamAndGradBuffer takes Megatron's
@@ -52,6 +53,7 @@ __all__ = [
     "BufferKey",
     "CollectiveRecord",
     "CommStats",
+    "CommTelemetry",
     "DistributedDataParallelConfig",
     "FullParamLayout",
     "GradBuffers",
@@ -63,13 +65,16 @@ __all__ = [
     "PerBufferParamLayout",
     "ShardParamRange",
     "__version__",
+    "active_telemetry",
     "bucket_end_divisor",
     "build_grad_buffers",
     "check_params_match_across_ranks",
     "compute_full_param_layout",
     "compute_param_layout",
     "default_bucket_size",
+    "disable_telemetry",
     "effective_bucket_size",
+    "enable_telemetry",
     "ensure_params_ready",
     "gradient_scaling_factors",
     "group_params_for_buffers",

@@ -17,6 +17,7 @@ from torch.nn import Parameter
 
 from gradsync.groups import ProcessGroupCollection
 
+from . import telemetry
 from .bucket_group import ParamAndGradBucketGroup, partition_buckets
 from .buffer import ParamAndGradBuffer
 from .config import DistributedDataParallelConfig, effective_bucket_size
@@ -42,6 +43,12 @@ class GradBuffers:
     def all_bucket_groups(self) -> list[ParamAndGradBucketGroup]:
         return self.bucket_groups + self.expert_parallel_bucket_groups
 
+    def __post_init__(self) -> None:
+        for index, group in enumerate(self.bucket_groups):
+            group.label = f"bucket_group{index}"
+        for index, group in enumerate(self.expert_parallel_bucket_groups):
+            group.label = f"expert_bucket_group{index}"
+
     def reset(self) -> None:
         """Zero every grad and start a new iteration in every bucket group.
 
@@ -63,6 +70,7 @@ class GradBuffers:
             buffer.reset()
         for group in self.all_bucket_groups:
             group.reset()
+        telemetry.next_step()
 
     def start_grad_sync(self, force_all_reduce: bool = False) -> None:
         for group in self.all_bucket_groups:

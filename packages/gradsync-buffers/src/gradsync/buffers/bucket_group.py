@@ -77,6 +77,8 @@ class ParamAndGradBucketGroup:
         self.param_gather_handle: collectives.Launched | None = None
         self.param_gather_dispatched = False
         self.stats = CommStats()
+        self.label = "bucket_group"
+        """The group's name in telemetry (GradBuffers numbers its groups)."""
         self.large_grad_detector = LargeGradDetector() if ddp_config.check_for_large_grads else None
 
     # --- iteration state -------------------------------------------------------------------------
@@ -164,11 +166,17 @@ class ParamAndGradBucketGroup:
                 self._record("reduce_scatter" if reduce_scatter else "all_reduce", bucket.grad_data)
             )
             if reduce_scatter and self.ddp_config.reduce_scatter_with_fp32_accumulation:
-                launched.extend(collectives.reduce_scatter_fp32_accumulated(bucket.grad_data, group))
+                launched.extend(
+                    collectives.reduce_scatter_fp32_accumulated(bucket.grad_data, group, label=self.label)
+                )
             elif reduce_scatter:
-                launched.extend(collectives.reduce_scatter(bucket.grad_data, group, average=average))
+                launched.extend(
+                    collectives.reduce_scatter(bucket.grad_data, group, average=average, label=self.label)
+                )
             else:
-                launched.extend(collectives.all_reduce(bucket.grad_data, group, average=average))
+                launched.extend(
+                    collectives.all_reduce(bucket.grad_data, group, average=average, label=self.label)
+                )
         launched.after.append(lambda: CommStats.end(records))
         inter = self.inter_distributed_optimizer_instance_group
         if self.ddp_config.use_distributed_optimizer and inter is not None:
@@ -200,7 +208,9 @@ class ParamAndGradBucketGroup:
                         target, self.collective_group_size, self.collective_group_rank
                     )
                 records.append(self._record("all_reduce", target, inter))
-                launched.extend(collectives.all_reduce(target, inter, average=average))
+                launched.extend(
+                    collectives.all_reduce(target, inter, average=average, label=f"{self.label}.inter")
+                )
             launched.after.append(lambda: CommStats.end(records))
             return launched
 
@@ -282,7 +292,9 @@ class ParamAndGradBucketGroup:
         for bucket in self.buckets:
             assert bucket.param_data is not None  # a distributed-optimizer buffer always has one
             records.append(self._record("all_gather", bucket.param_data))
-            launched.extend(collectives.all_gather_shards(bucket.param_data, self.collective_group))
+            launched.extend(
+                collectives.all_gather_shards(bucket.param_data, self.collective_group, label=self.label)
+            )
         launched.after.append(lambda: CommStats.end(records))
         if self.ddp_config.overlap_param_gather and not force_sync:
             self.param_gather_handle = launched

@@ -27,6 +27,8 @@ import torch.distributed as dist
 
 from gradsync.groups import get_backend_capabilities
 
+from . import telemetry
+
 dist_reduce_scatter_func: Callable[..., Any] = getattr(
     dist, "reduce_scatter_single", dist.reduce_scatter_tensor
 )
@@ -41,12 +43,22 @@ class Launched:
     after: list[Callable[[], None]] = field(default_factory=list)
     following: Callable[[], Launched] | None = None
     """Launches the collectives that need these ones' results; called, and waited, by :meth:`wait`."""
+    spans: list[tuple[telemetry.CommSpan, list[Any]]] = field(default_factory=list)
+    """With telemetry on: each collective's record and its works, so its exposed time can be measured."""
 
     def extend(self, other: Launched) -> None:
         if self.following is not None or other.following is not None:
             raise RuntimeError("cannot merge launched collectives that have follow-up collectives")
         self.works += other.works
         self.after += other.after
+        self.spans += other.spans
+
+    def record(self, kind: str, label: str, payload: torch.Tensor, group: dist.ProcessGroup) -> Launched:
+        """With telemetry on, record these works as one collective sending ``payload``; returns self."""
+        recorder = telemetry.active_telemetry()
+        if recorder is not None:
+            self.spans.append((recorder.launched(kind, label, payload, group, self.works), list(self.works)))
+        return self
 
     def then(self, launch: Callable[[], Launched]) -> Launched:
         """Run ``launch`` once these collectives have completed, when this handle is waited."""
@@ -57,6 +69,8 @@ class Launched:
 
     def wait(self) -> None:
         # gloo completes works on a thread pool, so every work is waited, not just the last.
+        if self.spans:
+            self._wait_timed()
         for work in self.works:
             if work is not None:
                 work.wait()
@@ -65,6 +79,19 @@ class Launched:
         following, self.works, self.after, self.following = self.following, [], [], None
         if following is not None:
             following().wait()
+
+    def _wait_timed(self) -> None:
+        """Wait each recorded collective's works, timing how long this caller was blocked by each."""
+        for span, works in self.spans:
+            telemetry.CommTelemetry.waiting(span)
+            started = telemetry.now_ns()
+            for work in works:
+                if work is not None:
+                    work.wait()
+            telemetry.CommTelemetry.waited(span, started)
+        waited = {id(work) for _, works in self.spans for work in works}
+        self.works = [work for work in self.works if id(work) not in waited]
+        self.spans = []
 
 
 def _shard_size(buffer: torch.Tensor, num_shards: int) -> int:
@@ -103,10 +130,13 @@ def _divide_after(tensor: torch.Tensor, divisor: int) -> Callable[[], None]:
     return divide
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, average: bool = False) -> Launched:
-    """Sum (or average) ``tensor`` in place across ``group``."""
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, *, average: bool = False, label: str = ""
+) -> Launched:
+    """Sum (or average) ``tensor`` in place across ``group``. ``label`` names it in telemetry."""
     op, divide = _reduce_op(group, tensor.device, average)
     launched = Launched([dist.all_reduce(tensor, op=op, group=group, async_op=True)])
+    launched.record("all_reduce", label, tensor, group)
     if divide:
         launched.after.append(_divide_after(tensor, group.size()))
     return launched
@@ -118,6 +148,7 @@ def reduce_scatter(
     *,
     average: bool = False,
     via_all_reduce: bool | None = None,
+    label: str = "",
 ) -> Launched:
     """Reduce ``bucket`` so this rank's shard holds the sum (or mean); other shards keep local values.
 
@@ -139,13 +170,18 @@ def reduce_scatter(
         launched.after.append(keep_own_shard)
     else:
         launched = Launched([dist_reduce_scatter_func(shard, bucket, op=op, group=group, async_op=True)])
+    launched.record("reduce_scatter", label, bucket, group)
     if divide:
         launched.after.append(_divide_after(shard, size))
     return launched
 
 
 def all_gather_shards(
-    bucket: torch.Tensor, group: dist.ProcessGroup, *, via_broadcasts: bool | None = None
+    bucket: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    via_broadcasts: bool | None = None,
+    label: str = "",
 ) -> Launched:
     """Fill every shard of ``bucket`` from its owner rank (this rank's shard is its own input).
 
@@ -157,10 +193,14 @@ def all_gather_shards(
         via_broadcasts = caps.all_gather_via_broadcasts or not caps.all_gather_into_tensor
     if via_broadcasts:  # one broadcast per rank: the views are needed anyway
         shards, ranks = shard_buffer(bucket, size), dist.get_process_group_ranks(group)
-        return Launched(
+        launched = Launched(
             [dist.broadcast(shards[r], src=ranks[r], group=group, async_op=True) for r in range(size)]
         )
-    return Launched([dist_all_gather_func(bucket, shard_of(bucket, size, rank), group=group, async_op=True)])
+    else:
+        launched = Launched(
+            [dist_all_gather_func(bucket, shard_of(bucket, size, rank), group=group, async_op=True)]
+        )
+    return launched.record("all_gather", label, bucket, group)
 
 
 class _FP32AccumulationWork:
@@ -219,8 +259,10 @@ def reduce_scatter_with_fp32_accumulation(
     return None
 
 
-def reduce_scatter_fp32_accumulated(bucket: torch.Tensor, group: dist.ProcessGroup) -> Launched:
+def reduce_scatter_fp32_accumulated(
+    bucket: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
+) -> Launched:
     """:func:`reduce_scatter` semantics, accumulated in fp32 (SUM only)."""
     shard = shard_of(bucket, group.size(), group.rank())
     work = reduce_scatter_with_fp32_accumulation(shard, bucket, dist.ReduceOp.SUM, group, async_op=True)
-    return Launched([work])
+    return Launched([work]).record("reduce_scatter", label, bucket, group)

@@ -39,7 +39,8 @@ class CollectiveRecord:
         return self.end - self.start
 
 
-def _recorded_event() -> torch.cuda.Event:
+def recorded_cuda_event() -> torch.cuda.Event:
+    """A timing event recorded now on the current CUDA stream."""
     event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     event.record()
     return event
@@ -55,9 +56,8 @@ class CommStats:
         self, op: str, nbytes: int, group_size: int, device: torch.device | None = None
     ) -> CollectiveRecord:
         on_cuda = device is not None and device.type == "cuda"
-        record = CollectiveRecord(
-            op, nbytes, group_size, time.perf_counter(), start_event=_recorded_event() if on_cuda else None
-        )
+        start_event = recorded_cuda_event() if on_cuda else None
+        record = CollectiveRecord(op, nbytes, group_size, time.perf_counter(), start_event=start_event)
         self.records.append(record)
         return record
 
@@ -68,7 +68,7 @@ class CommStats:
             if record.end is None:
                 record.end = now
                 if record.start_event is not None:
-                    record.end_event = _recorded_event()
+                    record.end_event = recorded_cuda_event()
 
     @property
     def total_bytes(self) -> int:

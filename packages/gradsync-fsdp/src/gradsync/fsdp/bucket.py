@@ -94,6 +94,7 @@ class FlatParamBucket:
     ) -> None:
         """``unset``: params without values yet (meta-device init); :meth:`write_param` sets them."""
         self.bucket_id, self.spec, self.sharding, self.group = bucket_id, spec, sharding, group
+        self.label = f"fsdp.bucket{bucket_id}"  # in telemetry
         self.outer = outer
         self.layout: BucketLayout = bucket_layout(spec, sharding, group, outer)
         pieces = outer.pieces if outer is not None else 1
@@ -219,7 +220,9 @@ class FlatParamBucket:
             assert self.weight_shard is not None
             self._outer_stale = False
             self.communicated_bytes += self.weight_shard.numel() * self.weight_shard.element_size()
-            self._gather = all_gather_shards(self.weight_shard, self.outer.group).then(self._gather_inner)
+            self._gather = all_gather_shards(
+                self.weight_shard, self.outer.group, label=f"{self.label}.outer"
+            ).then(self._gather_inner)
         else:
             self._gather = self._gather_inner()
         self.status = BucketStatus.COMMUNICATING
@@ -228,7 +231,7 @@ class FlatParamBucket:
         if self.weight_shard is not None:
             self.weight[self.shard_lo : self.shard_hi].copy_(self.weight_shard)
         self.communicated_bytes += self.weight.numel() * self.weight.element_size()
-        return all_gather_shards(self.weight, self.group)
+        return all_gather_shards(self.weight, self.group, label=self.label)
 
     def wait_gather(self) -> None:
         if self.status is BucketStatus.EMPTY:
@@ -326,9 +329,9 @@ class FlatParamBucket:
         if reduction.factor is not None and not reduction.average:
             wire.mul_(reduction.factor)
         if not self.sharding.shard_main:
-            launched = all_reduce(wire, self.group, average=reduction.average)
+            launched = all_reduce(wire, self.group, average=reduction.average, label=self.label)
         else:
-            launched = reduce_scatter(wire, self.group, average=reduction.average)
+            launched = reduce_scatter(wire, self.group, average=reduction.average, label=self.label)
         launched.after.append(lambda: self._finish_reduce(wire))
         self.communicated_bytes += wire.numel() * wire.element_size()
         return launched
@@ -383,10 +386,11 @@ class FlatParamBucket:
             lo, hi = self.main_range
             region = self.grad[lo - base : hi - base]
         wire = region if self.comm_dtype == region.dtype else region.to(self.comm_dtype)
+        label = f"{self.label}.outer"
         if self.outer.shard:
-            launched = reduce_scatter(wire, self.outer.group, average=reduction.average)
+            launched = reduce_scatter(wire, self.outer.group, average=reduction.average, label=label)
         else:
-            launched = all_reduce(wire, self.outer.group, average=reduction.average)
+            launched = all_reduce(wire, self.outer.group, average=reduction.average, label=label)
         if wire is not region:
 
             def copy_back() -> None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from gradsync.buffers import DistributedDataParallelConfig, check_params_match_across_ranks
+from gradsync.buffers import DistributedDataParallelConfig, check_params_match_across_ranks, telemetry
 from gradsync.groups import FSDPDistributedIndex
 
 from .allocator_choice import choose_allocators
@@ -582,6 +582,7 @@ class MegatronFSDP(nn.Module):
         self._grads_finished = False
         for bucket in self.buckets:
             bucket.communicated_bytes = 0
+        telemetry.next_step()
 
     def install_optimized_model_weights(self) -> None:
         """Copy the optimizer's updated weights into the compute weights; ZeRO-1/2 replicas are gathered

@@ -1,0 +1,321 @@
+"""Communication telemetry: what every collective sent, when it ran, and how long its caller waited.
+
+Off by default and free when off: the collectives check one module-level reference. When on
+(:func:`enable_telemetry`), every collective launched through :mod:`gradsync.buffers.collectives` (so
+every DDP bucket group and every MegatronFSDP bucket, whose callers label them) becomes a
+:class:`CommSpan`: its kind, label, payload bytes, launch time, completion time and exposed time (how long
+``wait()`` blocked). Training code marks compute phases with :meth:`CommTelemetry.phase`; wrappers start a
+new step at every ``zero_grad_buffer``.
+
+Clocks: on the CPU, host ``perf_counter_ns`` (completion from the work's future callback, which gloo runs
+when the collective finishes). On CUDA a collective runs on NCCL's stream and ``wait()`` only orders the
+compute stream after it, so host times would measure nothing: there, CUDA events on the current stream
+time the launch, the point the stream reached when waiting, and the point after the wait; the span is
+launch to after-wait and the exposed time the stall between the last two, read when the trace or summary
+is built.
+
+:meth:`CommTelemetry.chrome_trace` gathers every rank's spans (a collective), aligns the ranks' clocks with
+one barrier-based offset estimate, and returns Chrome / Perfetto trace JSON: one process per rank with a
+compute track, a communication track (launch to completion) and an exposed-wait track.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .stats import recorded_cuda_event
+
+TRACKS = {"compute": 0, "comm": 1, "exposed": 2}
+
+
+def now_ns() -> int:
+    return time.perf_counter_ns()
+
+
+@dataclass
+class CommSpan:
+    """One collective on this rank. Times are host nanoseconds; on CUDA they are derived from events
+    when :meth:`settle` runs (launch stays the host time, the rest are offsets measured on the device)."""
+
+    kind: str
+    label: str
+    bytes: int
+    group_size: int
+    step: int
+    launch_ns: int
+    complete_ns: int | None = None
+    wait_start_ns: int | None = None
+    wait_end_ns: int | None = None
+    exposed_ns: int = 0
+    events: dict[str, torch.cuda.Event] = field(default_factory=dict)
+
+    def mark_complete(self) -> None:
+        if self.complete_ns is None:
+            self.complete_ns = now_ns()
+
+    def settle(self) -> None:
+        """CUDA: turn the recorded events into times (synchronises with them)."""
+        if "launch" not in self.events or "after_wait" not in self.events:
+            return
+        launch, reached, after = self.events["launch"], self.events["wait"], self.events["after_wait"]
+        after.synchronize()
+        to_ns = 1e6  # elapsed_time is in milliseconds
+        self.wait_start_ns = self.launch_ns + int(launch.elapsed_time(reached) * to_ns)
+        self.wait_end_ns = self.launch_ns + int(launch.elapsed_time(after) * to_ns)
+        self.complete_ns = self.wait_end_ns
+        self.exposed_ns = self.wait_end_ns - self.wait_start_ns
+        self.events = {}
+
+    @property
+    def seconds(self) -> float | None:
+        """Launch to completion."""
+        return None if self.complete_ns is None else (self.complete_ns - self.launch_ns) / 1e9
+
+
+@dataclass
+class PhaseSpan:
+    name: str
+    step: int
+    start_ns: int
+    end_ns: int
+
+
+class CommTelemetry:
+    """Every collective and compute phase this rank ran while telemetry was on."""
+
+    def __init__(self) -> None:
+        self.spans: list[CommSpan] = []
+        self.phases: list[PhaseSpan] = []
+        self.step = 0
+
+    # --- recording (called by gradsync.buffers.collectives) ------------------------------------------
+    def launched(
+        self, kind: str, label: str, tensor: torch.Tensor, group: dist.ProcessGroup, works: list[Any]
+    ) -> CommSpan:
+        """A collective over ``group`` that sends ``tensor`` (this rank's payload) was just launched."""
+        span = CommSpan(
+            kind, label, tensor.numel() * tensor.element_size(), group.size(), self.step, now_ns()
+        )
+        if tensor.device.type == "cuda":
+            span.events["launch"] = recorded_cuda_event()
+        else:
+            for work in works:
+                _on_completion(work, span)
+        self.spans.append(span)
+        return span
+
+    @staticmethod
+    def waiting(span: CommSpan) -> None:
+        if span.wait_start_ns is None:
+            span.wait_start_ns = now_ns()
+            if "launch" in span.events:
+                span.events["wait"] = recorded_cuda_event()
+
+    @staticmethod
+    def waited(span: CommSpan, started_ns: int) -> None:
+        now = now_ns()
+        span.exposed_ns += now - started_ns
+        span.wait_end_ns = now
+        if "launch" in span.events:
+            span.events["after_wait"] = recorded_cuda_event()
+        else:
+            span.mark_complete()  # a work without a usable future completes when waited, at the latest
+
+    # --- marks from training code and wrappers --------------------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Record a compute phase (forward, backward, optimizer, ...) on this rank's compute track."""
+        start = now_ns()
+        try:
+            yield
+        finally:
+            self.phases.append(PhaseSpan(name, self.step, start, now_ns()))
+
+    def next_step(self) -> None:
+        if self.spans or self.phases:
+            self.step += 1
+
+    # --- reading -------------------------------------------------------------------------------------
+    def summary(self) -> dict[int, dict[str, dict[str, dict[str, float]]]]:
+        """Per step, per label, per collective kind: bytes, count, seconds (launch to completion, summed)
+        and exposed seconds (time callers waited, summed)."""
+        result: dict[int, dict[str, dict[str, dict[str, float]]]] = {}
+        for span in self.spans:
+            span.settle()
+            entry = (
+                result.setdefault(span.step, {})
+                .setdefault(span.label, {})
+                .setdefault(span.kind, {"bytes": 0, "count": 0, "seconds": 0.0, "exposed_seconds": 0.0})
+            )
+            entry["bytes"] += span.bytes
+            entry["count"] += 1
+            entry["seconds"] += span.seconds or 0.0
+            entry["exposed_seconds"] += span.exposed_ns / 1e9
+        return result
+
+    def chrome_trace(self, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+        """The trace of every rank of ``group`` (default: the world); a collective, call it on every rank.
+        Every rank gets the whole trace."""
+        for span in self.spans:
+            span.settle()
+        dist.barrier(group)
+        sync_ns = now_ns()  # every rank leaves the barrier at about the same moment
+        mine = (dist.get_rank(), sync_ns, [_span_record(s) for s in self.spans], self.phases)
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        origin = min(ns for _, ns, _, _ in everyone)
+        events: list[dict[str, Any]] = []
+        for rank, rank_sync_ns, spans, phases in everyone:
+            shift = rank_sync_ns - origin  # this rank's clock minus the reference clock
+            events += _metadata(rank)
+            events += [_phase_event(p, rank, shift) for p in phases]
+            for record in spans:
+                events += _span_events(record, rank, shift)
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write_chrome_trace(self, path: str | Path, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+        """:meth:`chrome_trace`, written as JSON by group rank 0 (open it in ui.perfetto.dev or
+        chrome://tracing)."""
+        trace = self.chrome_trace(group)
+        if dist.get_rank(group) == 0:
+            Path(path).write_text(json.dumps(trace))
+        return trace
+
+
+def _on_completion(work: Any, span: CommSpan) -> None:
+    """Timestamp the span when ``work`` completes (gloo runs future callbacks when the work finishes)."""
+    if work is None or not hasattr(work, "get_future"):
+        return
+    try:
+        future = work.get_future()
+    except RuntimeError:  # a backend without futures: completion is taken when waited
+        return
+    future.then(lambda _: span.mark_complete())
+
+
+def _span_record(span: CommSpan) -> dict[str, Any]:
+    return {
+        "kind": span.kind,
+        "label": span.label,
+        "bytes": span.bytes,
+        "group_size": span.group_size,
+        "step": span.step,
+        "launch": span.launch_ns,
+        "complete": span.complete_ns,
+        "wait_start": span.wait_start_ns,
+        "wait_end": span.wait_end_ns,
+        "exposed": span.exposed_ns,
+    }
+
+
+def _us(ns: int, shift: int) -> float:
+    return (ns - shift) / 1e3
+
+
+def _metadata(rank: int) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}},
+        {"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}},
+    ]
+    for track, tid in TRACKS.items():
+        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": track}})
+    return events
+
+
+def _phase_event(phase: PhaseSpan, rank: int, shift: int) -> dict[str, Any]:
+    return {
+        "ph": "X",
+        "name": phase.name,
+        "cat": "compute",
+        "pid": rank,
+        "tid": TRACKS["compute"],
+        "ts": _us(phase.start_ns, shift),
+        "dur": (phase.end_ns - phase.start_ns) / 1e3,
+        "args": {"step": phase.step},
+    }
+
+
+def _span_events(record: dict[str, Any], rank: int, shift: int) -> list[dict[str, Any]]:
+    name = f"{record['label']} {record['kind']}".strip()
+    args = {k: record[k] for k in ("bytes", "group_size", "step", "label", "kind")}
+    end = record["complete"] if record["complete"] is not None else record["wait_end"]
+    events = []
+    if end is not None:
+        events.append(
+            {
+                "ph": "X",
+                "name": name,
+                "cat": "comm",
+                "pid": rank,
+                "tid": TRACKS["comm"],
+                "ts": _us(record["launch"], shift),
+                "dur": (end - record["launch"]) / 1e3,
+                "args": args,
+            }
+        )
+    if record["wait_start"] is not None and record["wait_end"] is not None:
+        events.append(
+            {
+                "ph": "X",
+                "name": f"wait {name}",
+                "cat": "exposed",
+                "pid": rank,
+                "tid": TRACKS["exposed"],
+                "ts": _us(record["wait_start"], shift),
+                "dur": (record["wait_end"] - record["wait_start"]) / 1e3,
+                "args": {**args, "exposed_us": record["exposed"] / 1e3},
+            }
+        )
+    return events
+
+
+class _Switch:
+    """The process's active recorder (one per rank), None while telemetry is off."""
+
+    recorder: CommTelemetry | None = None
+
+
+_switch = _Switch()
+
+
+def active_telemetry() -> CommTelemetry | None:
+    """The recorder collectives report to, or None (telemetry off)."""
+    return _switch.recorder
+
+
+def enable_telemetry(recorder: CommTelemetry | None = None) -> CommTelemetry:
+    """Start recording on this rank, into ``recorder`` (default: a fresh one); returns it."""
+    _switch.recorder = recorder if recorder is not None else CommTelemetry()
+    return _switch.recorder
+
+
+def disable_telemetry() -> CommTelemetry | None:
+    """Stop recording; returns the recorder that was active."""
+    recorder, _switch.recorder = _switch.recorder, None
+    return recorder
+
+
+def next_step() -> None:
+    """Start a new step in the active recorder (wrappers call it at every ``zero_grad_buffer``)."""
+    if _switch.recorder is not None:
+        _switch.recorder.next_step()
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """:meth:`CommTelemetry.phase` on the active recorder; nothing when telemetry is off."""
+    recorder = _switch.recorder
+    if recorder is None:
+        yield
+        return
+    with recorder.phase(name):
+        yield

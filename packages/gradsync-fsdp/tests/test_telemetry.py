@@ -1,0 +1,34 @@
+"""Communication telemetry covers MegatronFSDP too (it collects through gradsync.buffers.collectives): every
+bucket's gathers and reductions, labelled by bucket, in the step that issued them, with the bytes each
+bucket counted itself; HSDP's outer stage is labelled apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from fsdp_testkit import Trainer
+
+from gradsync.buffers import disable_telemetry, enable_telemetry
+from gradsync.groups.testing import run_distributed
+
+
+def traced(outer: int) -> tuple[list[int], list[int], set[str]]:
+    trainer = Trainer.build("optim_grads_params", outer=outer)
+    recorder = enable_telemetry()
+    counted = []
+    for step in range(3):
+        trainer.step(step, 2)
+        counted.append(trainer.model.communicated_bytes())
+    disable_telemetry()
+    summary = recorder.summary()
+    recorded = [sum(e["bytes"] for kinds in summary[s].values() for e in kinds.values()) for s in range(3)]
+    dist.barrier()
+    return counted, recorded, {label for labels in summary.values() for label in labels}
+
+
+@pytest.mark.parametrize("outer", [1, 2])
+def test_every_bucket_collective_is_recorded(outer: int) -> None:
+    for counted, recorded, labels in run_distributed(traced, 4, args=(outer,)):
+        assert recorded == counted
+        assert all(label.startswith("fsdp.bucket") for label in labels)
+        assert any(label.endswith(".outer") for label in labels) == (outer > 1)
