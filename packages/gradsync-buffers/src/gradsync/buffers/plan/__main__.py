@@ -1,0 +1,110 @@
+"""``python -m gradsync.buffers.plan``: predict one step's communication for a model at several DP sizes.
+
+    python -m gradsync.buffers.plan --gpt 4096 32 50304 --dp 8 64 512 4096 --costs nccl-h100-ib \\
+        --forward-ms 120 --backward-ms 240
+    python -m gradsync.buffers.plan --shapes shapes.json --dp 2 4 --costs gloo.json
+    python -m gradsync.buffers.plan --module mypkg.model:build --dp 64      (built on the meta device)
+    python -m gradsync.buffers.plan --calibrate gloo.json                    (measure gloo's α and β here)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from pathlib import Path
+
+import torch
+
+from ..layout import ParamSpec
+from . import calibrate
+from .costs import PUBLISHED, LinkCosts
+from .predict import STRATEGIES, Prediction, predict, recommend_bucket_size, specs_from_shapes
+
+CANDIDATES = (1_000_000, 4_000_000, 10_000_000, 25_000_000, 40_000_000, 100_000_000)
+
+
+def gpt_shapes(d_model: int, n_layer: int, vocab: int) -> list[list[int]]:
+    """A GPT block stack (fused qkv, 4x MLP, layernorms, biases) with a tied embedding."""
+    d = d_model
+    block = [[3 * d, d], [3 * d], [d, d], [d], [d], [d], [4 * d, d], [4 * d], [d, 4 * d], [d], [d], [d]]
+    return [[vocab, d], *block * n_layer, [d], [d]]
+
+
+def module_shapes(target: str) -> list[list[int]]:
+    """Build ``module:callable`` on the meta device and read its param shapes."""
+    module_name, _, attribute = target.partition(":")
+    factory = getattr(importlib.import_module(module_name), attribute)
+    with torch.device("meta"):
+        model = factory()
+    return [list(p.shape) for p in model.parameters()]
+
+
+def costs_from(name: str) -> LinkCosts:
+    if name in PUBLISHED:
+        return PUBLISHED[name]
+    path = Path(name)
+    if not path.exists():
+        raise SystemExit(f"--costs {name!r}: neither a published profile ({', '.join(PUBLISHED)}) nor a file")
+    return calibrate.load(path)
+
+
+def row(p: Prediction, recommended: str) -> str:
+    bound = "latency" if p.latency_bound else "bandwidth"
+    return (
+        f"| {p.strategy} | {p.dp} | {p.bucket_size / 1e6:g}M | {p.buckets} | {p.comm_seconds * 1e3:.2f} | "
+        f"{p.exposed_seconds * 1e3:.2f} | {bound} | {p.wire_bytes / 2**20:.1f} | "
+        f"{p.peak_bytes / 2**30:.2f} | {recommended} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gpt", nargs=3, type=int, metavar=("D_MODEL", "N_LAYER", "VOCAB"))
+    source.add_argument("--shapes", type=Path, help="JSON list of param shapes")
+    source.add_argument("--module", help="module:callable building the model (on the meta device)")
+    source.add_argument("--calibrate", type=Path, help="measure gloo's alpha and beta here, write this JSON")
+    parser.add_argument("--dp", type=int, nargs="+", default=[8, 64, 512, 4096])
+    parser.add_argument("--strategy", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--bucket-size", type=int, help="elements (default: max(40M, 1M x dp))")
+    parser.add_argument(
+        "--costs", default="nccl-h100-ib", help=f"{', '.join(PUBLISHED)} or a calibration JSON"
+    )
+    parser.add_argument("--forward-ms", type=float, default=0.0)
+    parser.add_argument("--backward-ms", type=float, default=0.0)
+    args = parser.parse_args()
+    if args.calibrate:
+        measured = calibrate.measure()
+        fitted = calibrate.fit(measured)
+        calibrate.save(fitted, measured, args.calibrate)
+        print(json.dumps({"alpha": fitted.alpha, "beta": fitted.beta}, indent=1))
+        return
+    if args.gpt:
+        shapes = gpt_shapes(*args.gpt)
+    elif args.shapes:
+        shapes = json.loads(args.shapes.read_text())
+    else:
+        shapes = module_shapes(args.module)
+    specs: list[ParamSpec] = specs_from_shapes(shapes)
+    costs = costs_from(args.costs)
+    forward, backward = args.forward_ms / 1e3, args.backward_ms / 1e3
+    print(f"{sum(s.numel for s in specs) / 1e6:.1f}M params; costs: {costs.name} ({costs.source})\n")
+    print("| strategy | dp | bucket | buckets | comm ms | exposed ms | bound | wire MiB/rank | peak GiB/rank "
+          "| recommended bucket |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for strategy in args.strategy:
+        for dp in args.dp:
+            p = predict(strategy, specs, dp, costs, bucket_size=args.bucket_size,
+                        forward_seconds=forward, backward_seconds=backward)  # fmt: skip
+            if strategy == "zero3":  # buckets are the FSDP units, not a size
+                print(row(p, "- (per unit)"))
+                continue
+            best = recommend_bucket_size(specs, dp, costs, strategy, CANDIDATES, forward, backward)
+            print(row(p, f"{best.bucket_size / 1e6:g}M"))
+
+
+if __name__ == "__main__":
+    main()

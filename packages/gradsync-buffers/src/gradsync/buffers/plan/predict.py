@@ -1,0 +1,191 @@
+"""Predicted communication, exposed time, memory and wire bytes of one training step, per strategy.
+
+The buckets come from gradsync's own layout code with the reference's rules (bucket size, padding of each
+bucket to the DP size, optionally to 2^16 for NCCL bus bandwidth), so the messages are the ones the
+wrappers would send. Overlap is simulated on one communication channel that runs collectives in the
+order the wrappers issue them, against a compute timeline in which the backward (or forward) processes
+params at a constant rate: grads of a bucket are ready once the backward has passed all of its params;
+a gather must finish before the forward reaches its params. Exposed time is how long compute waits.
+
+Strategies (fp32 params and grads, Adam: two fp32 states per param; ``ddp``: all-reduce per bucket;
+``distopt``: reduce-scatter per bucket, then the param all-gather overlapped with the next forward;
+``zero3``: one unit per bucket, gathered before its forward and again before its backward (one unit
+prefetched), its grads reduce-scattered after its backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..config import default_bucket_size
+from ..layout import ParamSpec, compute_param_layout
+from .costs import LinkCosts
+
+STRATEGIES = ("ddp", "distopt", "zero3")
+FP32 = 4
+ADAM_STATE_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Prediction:
+    strategy: str
+    dp: int
+    bucket_size: int
+    buckets: int
+    comm_seconds: float
+    exposed_seconds: float
+    latency_seconds: float
+    wire_bytes: float
+    peak_bytes: float
+
+    @property
+    def latency_bound(self) -> bool:
+        """The α terms outweigh the β terms."""
+        return self.latency_seconds > self.comm_seconds - self.latency_seconds
+
+
+def bucket_sizes(
+    numels: Sequence[int], bucket_size: int | None, dp: int, pad_for_high_nccl_busbw: bool = False
+) -> list[int]:
+    """Padded bucket sizes (elements), in the order the backward fills them (last params first)."""
+    layout = compute_param_layout(
+        list(numels),
+        bucket_size,
+        padded=True,
+        data_parallel_world_size=dp,
+        pad_for_high_nccl_busbw=pad_for_high_nccl_busbw,
+    )
+    return [end - start for start, end in layout.bucket_indices]
+
+
+def _channel(events: Sequence[tuple[float, float]]) -> tuple[float, list[float]]:
+    """One collective at a time, in order: each (ready time, duration) starts when ready and the channel
+    is free. Returns the busy time and each collective's end."""
+    clock, ends = 0.0, []
+    for ready, duration in events:
+        clock = max(clock, ready) + duration
+        ends.append(clock)
+    return sum(d for _, d in events), ends
+
+
+def _reduce_exposed(sizes: Sequence[int], kind: str, costs: LinkCosts, dp: int, backward: float) -> float:
+    """Buckets reduced as the backward fills them: how long after the backward the last one ends."""
+    total = sum(sizes)
+    ready, events = 0, []
+    for size in sizes:
+        ready += size
+        events.append((backward * ready / total, costs.time(kind, size * FP32, dp)))
+    _, ends = _channel(events)
+    return max(0.0, ends[-1] - backward) if ends else 0.0
+
+
+def _gather_exposed(sizes: Sequence[int], costs: LinkCosts, dp: int, forward: float) -> float:
+    """Gathers all issued at the step's start, in forward order (the reverse of the reduce order), each
+    needed when the forward reaches its params: the total stall of the forward."""
+    total, stall, needed, clock = sum(sizes), 0.0, 0, 0.0
+    for size in reversed(sizes):
+        clock += costs.time("all_gather", size * FP32, dp)
+        reach = forward * needed / total + stall
+        stall += max(0.0, clock - reach)
+        needed += size
+    return stall
+
+
+def _zero3_exposed(sizes: Sequence[int], costs: LinkCosts, dp: int, forward: float, backward: float) -> float:
+    """Units in forward order: gather unit i+1 while unit i computes (one unit prefetched), in the
+    forward and again in the backward, where each unit's reduce-scatter follows its backward."""
+    units = list(reversed(sizes))
+    total = sum(units)
+    stall = 0.0
+    for phase_time, reduce in ((forward, False), (backward, True)):
+        order = units if not reduce else list(reversed(units))
+        channel_free, compute = 0.0, 0.0
+        gathered = costs.time("all_gather", order[0] * FP32, dp)
+        channel_free = gathered
+        for index, size in enumerate(order):
+            start = max(compute, gathered)  # compute of this unit waits for its weights
+            stall += start - compute
+            if index + 1 < len(order):  # prefetch the next unit
+                gathered = max(channel_free, start) + costs.time("all_gather", order[index + 1] * FP32, dp)
+                channel_free = gathered
+            compute = start + phase_time * size / total
+            if reduce:
+                channel_free = max(channel_free, compute) + costs.time("reduce_scatter", size * FP32, dp)
+        if reduce:
+            stall += max(0.0, channel_free - compute)
+    return stall
+
+
+def predict(
+    strategy: str,
+    specs: Sequence[ParamSpec],
+    dp: int,
+    costs: LinkCosts,
+    *,
+    bucket_size: int | None = None,
+    forward_seconds: float = 0.0,
+    backward_seconds: float = 0.0,
+    pad_for_high_nccl_busbw: bool = False,
+) -> Prediction:
+    """One step of ``strategy`` at ``dp`` ranks; ``bucket_size`` defaults to the reference's rule."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    size = bucket_size if bucket_size is not None else default_bucket_size(dp)
+    numels = [s.numel for s in specs]
+    psi = sum(numels)
+    if strategy == "zero3":  # one unit per param group of about a layer: the reference buckets per unit
+        sizes = bucket_sizes(numels, max(numels), dp, pad_for_high_nccl_busbw)
+    else:
+        sizes = bucket_sizes(numels, size, dp, pad_for_high_nccl_busbw)
+    share = (dp - 1) / dp
+    padded = sum(sizes)
+    collectives: list[tuple[str, int]] = []
+    if strategy == "ddp":
+        collectives = [("all_reduce", s) for s in sizes]
+        wire = 2 * share * padded * FP32
+        peak: float = padded * FP32 * 2 + psi * ADAM_STATE_BYTES
+        exposed = _reduce_exposed(sizes, "all_reduce", costs, dp, backward_seconds)
+    elif strategy == "distopt":
+        collectives = [("reduce_scatter", s) for s in sizes] + [("all_gather", s) for s in sizes]
+        wire = 2 * share * padded * FP32
+        peak = padded * FP32 * 2 + padded / dp * ADAM_STATE_BYTES
+        exposed = _reduce_exposed(sizes, "reduce_scatter", costs, dp, backward_seconds) + _gather_exposed(
+            sizes, costs, dp, forward_seconds
+        )
+    else:
+        collectives = [("all_gather", s) for s in sizes] * 2 + [("reduce_scatter", s) for s in sizes]
+        wire = 3 * share * padded * FP32
+        largest = max(sizes)
+        peak = padded / dp * (FP32 * 2 + ADAM_STATE_BYTES) + 3 * largest * FP32  # two units + one grad
+        exposed = _zero3_exposed(sizes, costs, dp, forward_seconds, backward_seconds)
+    terms = [costs.terms(kind, s * FP32, dp) for kind, s in collectives]
+    comm = sum(a + b for a, b in terms)
+    latency = sum(a for a, _ in terms)
+    if forward_seconds == 0.0 and backward_seconds == 0.0:
+        exposed = comm  # nothing to overlap with
+    return Prediction(strategy, dp, size, len(sizes), comm, exposed, latency, wire, peak)
+
+
+def recommend_bucket_size(
+    specs: Sequence[ParamSpec],
+    dp: int,
+    costs: LinkCosts,
+    strategy: str,
+    candidates: Sequence[int],
+    forward_seconds: float,
+    backward_seconds: float,
+) -> Prediction:
+    """The candidate with the least exposed time (then the least total comm time)."""
+    predictions = [
+        predict(strategy, specs, dp, costs, bucket_size=c, forward_seconds=forward_seconds,
+                backward_seconds=backward_seconds)
+        for c in candidates
+    ]  # fmt: skip
+    return min(predictions, key=lambda p: (round(p.exposed_seconds, 9), p.comm_seconds))
+
+
+def specs_from_shapes(shapes: Sequence[Sequence[int]]) -> list[ParamSpec]:
+    return [ParamSpec(tuple(int(d) for d in shape), torch.float32) for shape in shapes]

@@ -1,0 +1,103 @@
+"""The α-β planner: collective costs against the ring/tree formulas worked by hand, buckets from the real
+layout rules, the overlap simulation against cases whose answer is known, the latency-bound crossover,
+and the command line (a model built on the meta device, a JSON shape list, a table per DP size)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from gradsync.buffers.plan import PUBLISHED, LinkCosts, predict, recommend_bucket_size, specs_from_shapes
+from gradsync.buffers.plan.__main__ import gpt_shapes, module_shapes
+from gradsync.buffers.plan.predict import FP32, bucket_sizes
+
+COSTS = LinkCosts.uniform("test", alpha=1e-5, busbw_gbps=10.0, source="test")
+SPECS = specs_from_shapes(gpt_shapes(64, 4, 1000))
+
+
+def test_collective_costs_follow_the_ring_and_tree_formulas() -> None:
+    n, p, a, b = 8e6, 8, 1e-5, 1e-10
+    assert COSTS.time("reduce_scatter", n, p) == pytest.approx(7 * a + 7 / 8 * n * b)
+    assert COSTS.time("all_gather", n, p) == pytest.approx(7 * a + 7 / 8 * n * b)
+    assert COSTS.time("all_reduce", n, p) == pytest.approx(14 * a + 14 / 8 * n * b)
+    assert COSTS.time("all_reduce", n, 1) == 0.0
+    tree = LinkCosts.uniform("t", alpha=1e-5, busbw_gbps=10.0, source="", tree_all_reduce=True)
+    small, ranks = 1e3, 1024  # latency dominates: log2 beats the ring's 2(p-1) steps
+    assert tree.time("all_reduce", small, ranks) == pytest.approx(2 * math.log2(ranks) * a + 2 * small * b)
+    big = 1e10  # bandwidth dominates: the ring moves 2(p-1)/p of the message, the tree twice all of it
+    assert tree.time("all_reduce", big, 4) == pytest.approx(COSTS.time("all_reduce", big, 4))
+
+
+def test_buckets_follow_the_reference_padding_rules() -> None:
+    numels = [s.numel for s in SPECS]
+    for dp in (3, 8, 64):
+        sizes = bucket_sizes(numels, 50_000, dp)
+        assert all(size % math.lcm(dp, 128) == 0 for size in sizes)
+        assert sum(sizes) >= sum(numels)
+        assert all(
+            size % 2**16 == 0 for size in bucket_sizes(numels, 50_000, dp, pad_for_high_nccl_busbw=True)
+        )
+    assert predict("ddp", SPECS, 64, COSTS).bucket_size == 64_000_000  # max(40M, 1M x dp)
+    assert predict("ddp", SPECS, 8, COSTS).bucket_size == 40_000_000
+
+
+def test_wire_bytes_and_memory_per_strategy() -> None:
+    dp = 4
+    padded = sum(bucket_sizes([s.numel for s in SPECS], 50_000, dp))
+    ddp = predict("ddp", SPECS, dp, COSTS, bucket_size=50_000)
+    distopt = predict("distopt", SPECS, dp, COSTS, bucket_size=50_000)
+    assert ddp.wire_bytes == pytest.approx(2 * 3 / 4 * padded * FP32)
+    assert distopt.wire_bytes == pytest.approx(ddp.wire_bytes)  # reduce-scatter + all-gather = all-reduce
+    assert distopt.peak_bytes < ddp.peak_bytes  # the optimizer state is sharded
+    assert predict("zero3", SPECS, dp, COSTS).peak_bytes < distopt.peak_bytes
+
+
+def test_overlap_simulation() -> None:
+    dp = 4
+    alone = predict("ddp", SPECS, dp, COSTS, bucket_size=50_000)
+    assert alone.exposed_seconds == pytest.approx(alone.comm_seconds)  # nothing to hide behind
+    exposures = [
+        predict("ddp", SPECS, dp, COSTS, bucket_size=50_000, backward_seconds=t).exposed_seconds
+        for t in (1e-4, 1e-3, 1e-2, 1.0)
+    ]
+    assert exposures == sorted(exposures, reverse=True)
+    sizes = bucket_sizes([s.numel for s in SPECS], 50_000, dp)
+    last = COSTS.time("all_reduce", sizes[-1] * FP32, dp)
+    assert exposures[-1] == pytest.approx(last)  # a long backward hides all but the last bucket
+    slow = predict("distopt", SPECS, dp, COSTS, bucket_size=50_000, forward_seconds=1.0, backward_seconds=1.0)
+    first_gather = COSTS.time("all_gather", sizes[-1] * FP32, dp)  # the forward waits for its first weights
+    assert slow.exposed_seconds == pytest.approx(
+        first_gather + COSTS.time("reduce_scatter", sizes[-1] * FP32, dp)
+    )
+
+
+def test_small_fixed_buckets_become_latency_bound_at_scale() -> None:
+    fixed = [predict("distopt", SPECS, dp, COSTS, bucket_size=50_000) for dp in (2, 4096)]
+    assert [p.latency_bound for p in fixed] == [False, True]
+    best = recommend_bucket_size(SPECS, 4096, COSTS, "ddp", [10_000, 50_000, 10_000_000], 0.0, 0.0)
+    assert best.bucket_size == 10_000_000  # fewer, larger messages when latency dominates
+
+
+def tiny() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+
+
+def test_command_line(tmp_path: Path) -> None:
+    assert module_shapes(f"{__name__}:tiny") == [[16, 8], [16], [4, 16], [4]]
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps(gpt_shapes(64, 2, 100)))
+    command = [sys.executable, "-m", "gradsync.buffers.plan", "--shapes", str(shapes), "--dp", "2", "64"]
+    out = subprocess.run(
+        [*command, "--costs", "nccl-h100-nvlink"], capture_output=True, text=True, check=True
+    )
+    rows = [
+        line for line in out.stdout.splitlines() if line.startswith("| ddp") or line.startswith("| zero3")
+    ]
+    assert len(rows) == 4
+    assert PUBLISHED["nccl-h100-nvlink"].source.split(";")[0] in out.stdout
