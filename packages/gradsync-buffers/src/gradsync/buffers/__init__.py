@@ -41,6 +41,7 @@ from .scaling import gradient_scaling_factors
 from .stats import CollectiveRecord, CommStats
 from .telemetry import CommTelemetry, active_telemetry, disable_telemetry, enable_telemetry
 from .version import __version__
+from .watchdog import CollectiveHangError, HangWatchdog, start_hang_watchdog, stop_hang_watchdog
 
 # Megatron-Core's private names, for code that imports them (_ParamAndGradBuffer takes Megatron's
 # constructor arguments, so it is a class of its own).
@@ -51,12 +52,14 @@ __all__ = [
     "FSDP_ONLY_FIELDS",
     "PARAM_READY_CALLBACK_ATTR",
     "BufferKey",
+    "CollectiveHangError",
     "CollectiveRecord",
     "CommStats",
     "CommTelemetry",
     "DistributedDataParallelConfig",
     "FullParamLayout",
     "GradBuffers",
+    "HangWatchdog",
     "LargeGradDetector",
     "ParamAndGradBucket",
     "ParamAndGradBucketGroup",
@@ -89,4 +92,6 @@ __all__ = [
     "reduce_scatter_with_fp32_accumulation",
     "refuse_fields_ddp_cannot_honour",
     "shard_buffer",
+    "start_hang_watchdog",
+    "stop_hang_watchdog",
 ]

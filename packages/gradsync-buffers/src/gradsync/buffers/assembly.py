@@ -17,7 +17,7 @@ from torch.nn import Parameter
 
 from gradsync.groups import ProcessGroupCollection
 
-from . import telemetry
+from . import telemetry, watchdog
 from .bucket_group import ParamAndGradBucketGroup, partition_buckets
 from .buffer import ParamAndGradBuffer
 from .config import DistributedDataParallelConfig, effective_bucket_size
@@ -71,6 +71,25 @@ class GradBuffers:
         for group in self.all_bucket_groups:
             group.reset()
         telemetry.next_step()
+
+    def pending_grads(self) -> dict[str, str]:
+        """What each bucket group whose reduction has not started still waits for (for the watchdog)."""
+        pending = {}
+        for group in self.all_bucket_groups:
+            if group.grad_reduce_dispatched:
+                continue
+            if not group.ddp_config.overlap_grad_reduce:
+                pending[group.label] = (
+                    "reduction not started (without overlap_grad_reduce, finish_grad_sync starts it)"
+                )
+                continue
+            missing = group.params_without_grad()
+            pending[group.label] = (
+                f"no grad yet for {watchdog.missing_names(missing)}"
+                if missing
+                else "every grad arrived, reduction not started"
+            )
+        return pending
 
     def start_grad_sync(self, force_all_reduce: bool = False) -> None:
         for group in self.all_bucket_groups:

@@ -27,12 +27,22 @@ import torch.distributed as dist
 
 from gradsync.groups import get_backend_capabilities
 
-from . import telemetry
+from . import telemetry, watchdog
 
 dist_reduce_scatter_func: Callable[..., Any] = getattr(
     dist, "reduce_scatter_single", dist.reduce_scatter_tensor
 )
 dist_all_gather_func: Callable[..., Any] = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+@dataclass
+class Issued:
+    """One collective's works, with its telemetry record and its watchdog coordinates (group ranks,
+    sequence number, label, kind) when those are on."""
+
+    works: list[Any]
+    span: telemetry.CommSpan | None
+    watch: tuple[tuple[int, ...], int, str, str] | None
 
 
 @dataclass
@@ -43,21 +53,25 @@ class Launched:
     after: list[Callable[[], None]] = field(default_factory=list)
     following: Callable[[], Launched] | None = None
     """Launches the collectives that need these ones' results; called, and waited, by :meth:`wait`."""
-    spans: list[tuple[telemetry.CommSpan, list[Any]]] = field(default_factory=list)
-    """With telemetry on: each collective's record and its works, so its exposed time can be measured."""
+    issued: list[Issued] = field(default_factory=list)
+    """With telemetry or the hang watchdog on: each collective's works and what watches them."""
 
     def extend(self, other: Launched) -> None:
         if self.following is not None or other.following is not None:
             raise RuntimeError("cannot merge launched collectives that have follow-up collectives")
         self.works += other.works
         self.after += other.after
-        self.spans += other.spans
+        self.issued += other.issued
 
     def record(self, kind: str, label: str, payload: torch.Tensor, group: dist.ProcessGroup) -> Launched:
-        """With telemetry on, record these works as one collective sending ``payload``; returns self."""
-        recorder = telemetry.active_telemetry()
-        if recorder is not None:
-            self.spans.append((recorder.launched(kind, label, payload, group, self.works), list(self.works)))
+        """Tell telemetry and the hang watchdog, when on, that these works are one collective sending
+        ``payload`` over ``group``; returns self."""
+        recorder, guard = telemetry.active_telemetry(), watchdog.active_watchdog()
+        if recorder is None and guard is None:
+            return self
+        span = recorder.launched(kind, label, payload, group, self.works) if recorder is not None else None
+        watch = (*guard.launched_on(group), label, kind) if guard is not None else None
+        self.issued.append(Issued(list(self.works), span, watch))
         return self
 
     def then(self, launch: Callable[[], Launched]) -> Launched:
@@ -69,8 +83,8 @@ class Launched:
 
     def wait(self) -> None:
         # gloo completes works on a thread pool, so every work is waited, not just the last.
-        if self.spans:
-            self._wait_timed()
+        if self.issued:
+            self._wait_issued()
         for work in self.works:
             if work is not None:
                 work.wait()
@@ -80,18 +94,25 @@ class Launched:
         if following is not None:
             following().wait()
 
-    def _wait_timed(self) -> None:
-        """Wait each recorded collective's works, timing how long this caller was blocked by each."""
-        for span, works in self.spans:
-            telemetry.CommTelemetry.waiting(span)
+    def _wait_issued(self) -> None:
+        """Wait each recorded collective's works: timed for telemetry, polled by the hang watchdog."""
+        guard = watchdog.active_watchdog()
+        for issued in self.issued:
+            if issued.span is not None:
+                telemetry.CommTelemetry.waiting(issued.span)
             started = telemetry.now_ns()
-            for work in works:
-                if work is not None:
+            for work in issued.works:
+                if work is None:
+                    continue
+                if guard is not None and issued.watch is not None:
+                    guard.wait(work, *issued.watch)
+                else:
                     work.wait()
-            telemetry.CommTelemetry.waited(span, started)
-        waited = {id(work) for _, works in self.spans for work in works}
+            if issued.span is not None:
+                telemetry.CommTelemetry.waited(issued.span, started)
+        waited = {id(work) for issued in self.issued for work in issued.works}
         self.works = [work for work in self.works if id(work) not in waited]
-        self.spans = []
+        self.issued = []
 
 
 def _shard_size(buffer: torch.Tensor, num_shards: int) -> int:

@@ -21,7 +21,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from gradsync.buffers import DistributedDataParallelConfig, check_params_match_across_ranks, telemetry
+from gradsync.buffers import (
+    DistributedDataParallelConfig,
+    check_params_match_across_ranks,
+    telemetry,
+    watchdog,
+)
 from gradsync.groups import FSDPDistributedIndex
 
 from .allocator_choice import choose_allocators
@@ -248,6 +253,18 @@ class MegatronFSDP(nn.Module):
         for tensor, names in names_of.items():  # buffers
             copied.update({name: tensor.detach().cpu().clone() for name in names})
         return {name: copied[name] for name in state}
+
+    def pending_grads(self) -> dict[str, str]:
+        """Buckets still waiting for grads in this backward, by param name (for the hang watchdog)."""
+        pending = {}
+        for bucket in self.buckets:
+            done = bucket.bucket_id in self._completed or bucket.bucket_id in self._reduced_this_cycle
+            arrived = self._ready[bucket.bucket_id]
+            if not bucket.spec.requires_grad or done or not (arrived or self._in_backward):
+                continue
+            missing = [n for i, n in enumerate(bucket.spec.names) if i not in arrived]
+            pending[bucket.label] = f"no grad yet for {watchdog.missing_names(missing)}"
+        return pending
 
     def communicated_bytes(self) -> int:
         """Bytes this rank handed to gathers and grad reductions since the last ``zero_grad_buffer``."""

@@ -1,0 +1,246 @@
+"""A hang watchdog: a collective that waits past a threshold raises, naming the ranks it waits for and the
+bucket groups and params those ranks are missing, instead of hanging silently.
+
+Off by default. :func:`start_hang_watchdog` (a collective: every rank calls it, after wrapping) creates a
+side gloo group with a short timeout and a thread on each rank that, every ``threshold / 4`` seconds,
+all-gathers every rank's progress over it: per process group, how many collectives the rank has launched
+through :mod:`gradsync.buffers.collectives`; the collective its main thread is waiting in, if any; what
+its wrappers still wait for (bucket groups whose grads have not all arrived, by param name, or whose
+reduction has not been started). While the watchdog runs, ``wait()`` polls its works instead of blocking
+in them; once one has waited ``threshold`` seconds, the rank compares its own sequence number in that
+process group with the others' and raises :class:`CollectiveHangError` naming the ranks that have not
+launched the collective (from the last round they answered) and what they are missing. The error is
+published in the next round, and every rank raises it at its next collective wait, so no rank that can
+still raise is left hanging.
+
+The side group is itself guarded: each round has a timeout, a round that fails (a rank stopped, killed
+or exited) ends the heartbeats, and the last complete round is what the diagnosis uses; the error then
+also says how long the side group has been silent. Heartbeats stop together: a thread leaves only after
+a round in which every rank asked to stop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+_MAX_NAMES = 8  # params named per bucket group in a message
+
+
+class CollectiveHangError(RuntimeError):
+    """A collective waited past the watchdog's threshold."""
+
+
+class HasPendingGrads(Protocol):
+    def pending_grads(self) -> dict[str, str]:
+        """Per bucket-group label, what it still waits for this step (absent when nothing)."""
+        ...
+
+
+@dataclass
+class _Waiting:
+    group: tuple[int, ...]
+    sequence: int
+    label: str
+    kind: str
+    since: float
+
+
+@dataclass
+class Progress:
+    """One rank's state as published in a heartbeat round."""
+
+    rank: int
+    launched: dict[tuple[int, ...], int]
+    waiting: tuple[tuple[int, ...], int, str, str, float] | None
+    pending: dict[str, str]
+    hang: str | None
+    stopping: bool
+    time: float = field(default_factory=time.monotonic)
+
+
+class HangWatchdog:
+    """This rank's counters, its heartbeat thread and the diagnosis (see the module docstring)."""
+
+    def __init__(
+        self, threshold_s: float, sources: list[HasPendingGrads], side_group: dist.ProcessGroup
+    ) -> None:
+        self.threshold_s = threshold_s
+        self.interval_s = max(threshold_s / 4, 0.05)
+        self.sources = sources
+        self.side_group = side_group
+        self.rank = dist.get_rank()
+        self.launched: dict[tuple[int, ...], int] = {}
+        self.waiting: _Waiting | None = None
+        self.hang: str | None = None
+        self.peers: dict[int, Progress] = {}
+        self.last_round = time.monotonic()
+        self.side_error: str | None = None
+        self._stopping = False
+        self._ranks: dict[dist.ProcessGroup, tuple[int, ...]] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._heartbeats, name="gradsync-hang-watchdog", daemon=True)
+        self._thread.start()
+
+    # --- called by the collectives -------------------------------------------------------------------
+    def launched_on(self, group: dist.ProcessGroup) -> tuple[tuple[int, ...], int]:
+        """Count one collective launched over ``group``; returns (group ranks, its sequence number)."""
+        ranks = self._ranks.get(group)
+        if ranks is None:
+            ranks = self._ranks[group] = tuple(dist.get_process_group_ranks(group))
+        with self._lock:
+            self.launched[ranks] = self.launched.get(ranks, 0) + 1
+            return ranks, self.launched[ranks]
+
+    def wait(self, work: Any, ranks: tuple[int, ...], sequence: int, label: str, kind: str) -> None:
+        """Wait for ``work`` by polling, raising once it has taken longer than the threshold."""
+        self.raise_if_hung()
+        if not hasattr(work, "is_completed") or work.is_completed():
+            work.wait()
+            return
+        started = time.monotonic()
+        self.waiting = _Waiting(ranks, sequence, label, kind, started)
+        pause = 1e-4
+        try:
+            while not work.is_completed():
+                self.raise_if_hung()
+                if time.monotonic() - started > self.threshold_s:
+                    self.hang = self._diagnose(ranks, sequence, label, kind, time.monotonic() - started)
+                    raise CollectiveHangError(self.hang)
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
+            work.wait()
+        finally:
+            self.waiting = None
+
+    def raise_if_hung(self) -> None:
+        """Raise the hang some rank (this one included) has declared."""
+        if self.hang is not None:
+            raise CollectiveHangError(self.hang)
+
+    # --- the side channel ----------------------------------------------------------------------------
+    def _progress(self) -> Progress:
+        waiting = self.waiting
+        pending: dict[str, str] = {}
+        for source in self.sources:
+            pending.update(source.pending_grads())
+        with self._lock:
+            launched = dict(self.launched)
+        state = None
+        if waiting is not None:
+            state = (waiting.group, waiting.sequence, waiting.label, waiting.kind, waiting.since)
+        return Progress(self.rank, launched, state, pending, self.hang, self._stopping)
+
+    def _heartbeats(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            everyone: list[Any] = [None] * dist.get_world_size(self.side_group)
+            try:
+                dist.all_gather_object(everyone, self._progress(), group=self.side_group)
+            except RuntimeError as error:  # a rank stopped, died or left: the side group is done
+                self.side_error = str(error).splitlines()[0][:200]
+                return
+            self.peers = {p.rank: p for p in everyone}
+            self.last_round = time.monotonic()
+            declared = next((p.hang for p in everyone if p.hang), None)
+            if declared and self.hang is None:
+                self.hang = declared
+            if all(p.stopping for p in everyone):
+                return
+
+    def stop(self) -> None:
+        """Stop the heartbeats on every rank together (a collective); waits at most a few rounds."""
+        self._stopping = True
+        self._thread.join(timeout=self.interval_s * 4 + 10)
+
+    # --- the diagnosis -------------------------------------------------------------------------------
+    def _diagnose(self, ranks: tuple[int, ...], sequence: int, label: str, kind: str, waited: float) -> str:
+        peers = dict(self.peers)
+        others = [r for r in ranks if r != self.rank]
+        behind = [r for r in others if r in peers and peers[r].launched.get(ranks, 0) < sequence]
+        unknown = [r for r in others if r not in peers]
+        lines = [
+            f"gradsync hang watchdog: rank {self.rank} has waited {waited:.1f} s (threshold "
+            f"{self.threshold_s:g} s) in collective #{sequence} ({label or 'unlabelled'} {kind}) over "
+            f"ranks {list(ranks)}."
+        ]
+        if behind:
+            reached = ", ".join(f"rank {r} #{peers[r].launched.get(ranks, 0)}" for r in behind)
+            lines.append(f"Culprit rank(s) {behind}: they have not launched it (last launched: {reached}).")
+        for r in behind:
+            lines += _describe(r, peers[r])
+        if unknown:
+            lines.append(f"Rank(s) {unknown} never answered the watchdog's side group.")
+        if not behind and not unknown:
+            lines.append(
+                "Every rank reports having launched it: the transport itself is stuck, or a rank stopped "
+                "after its last heartbeat."
+            )
+        silent = time.monotonic() - self.last_round
+        if self.side_error is not None or silent > 2 * self.interval_s + 1:
+            cause = f": {self.side_error}" if self.side_error else ""
+            lines.append(
+                f"The side group has been silent for {silent:.1f} s (a rank is stopped, dead or stuck "
+                f"holding its interpreter){cause}; the ranks above are as of the last round they answered."
+            )
+        return " ".join(lines)
+
+
+def _describe(rank: int, progress: Progress) -> list[str]:
+    """What ``rank`` was doing in its last heartbeat: the collective it waits in, its pending grads."""
+    lines = []
+    if progress.waiting is not None:
+        group, sequence, label, kind, since = progress.waiting
+        lines.append(
+            f"Rank {rank} is itself waiting in collective #{sequence} ({label} {kind}) over ranks "
+            f"{list(group)}, for {time.monotonic() - since:.1f} s."
+        )
+    lines += [f"Rank {rank}, {name}: {what}." for name, what in sorted(progress.pending.items())]
+    return lines
+
+
+def missing_names(names: list[str]) -> str:
+    """``names`` for a message, at most a few."""
+    shown = ", ".join(names[:_MAX_NAMES])
+    return shown + (f" and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else "")
+
+
+class _Switch:
+    watchdog: HangWatchdog | None = None
+
+
+_switch = _Switch()
+
+
+def active_watchdog() -> HangWatchdog | None:
+    return _switch.watchdog
+
+
+def start_hang_watchdog(threshold_s: float, models: list[Any] | None = None) -> HangWatchdog:
+    """Start the watchdog on every rank (a collective: call it on all ranks after wrapping). ``models``:
+    DistributedDataParallel or MegatronFSDP wrappers (anything with ``pending_grads()`` or
+    ``grad_buffers.pending_grads()``) whose missing grads the messages should name."""
+    if threshold_s <= 0:
+        raise ValueError(f"start_hang_watchdog: threshold_s={threshold_s} must be positive")
+    if _switch.watchdog is not None:
+        raise RuntimeError("start_hang_watchdog: a watchdog is already running; stop_hang_watchdog() first")
+    sources = [getattr(m, "grad_buffers", m) for m in models or []]
+    for source in sources:
+        if not callable(getattr(source, "pending_grads", None)):
+            raise TypeError(f"start_hang_watchdog: {type(source).__name__} has no pending_grads()")
+    timeout = timedelta(seconds=max(threshold_s, 2.0))
+    side = dist.new_group(backend="gloo", timeout=timeout)
+    _switch.watchdog = HangWatchdog(threshold_s, sources, side)
+    return _switch.watchdog
+
+
+def stop_hang_watchdog() -> None:
+    """Stop the heartbeats on every rank (a collective) and go back to plain blocking waits."""
+    watchdog, _switch.watchdog = _switch.watchdog, None
+    if watchdog is not None:
+        watchdog.stop()
