@@ -115,16 +115,23 @@ def test_resume_at_the_same_size_is_bit_identical(sharded: bool, dtype: torch.dt
         assert torch.equal(got, want), rank
 
 
-def main_params_after(directory: str, saving: bool) -> tuple[int, torch.Tensor]:
-    """Save (or load) the optimizer of a DP x TP2 layout whose two TP positions hold different values;
-    returns this rank's TP rank and its params after the save (or load)."""
+def state_after(directory: str, saving: bool) -> tuple[int, torch.Tensor, dict[str, torch.Tensor] | None]:
+    """Save (after one step) or load the optimizer of a DP x TP2 layout whose two TP positions hold
+    different models; returns this rank's TP rank, its params and (on DP rank 0) the gathered exp_avg."""
     groups = initialize_model_parallel(2)
     assert groups.tp is not None
+    assert groups.dp is not None
     tp_rank = groups.tp.rank()
     config = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=600)
     model = TinyGPT(seed=tp_rank if saving else 100 + tp_rank)
     ddp = DistributedDataParallel(ModelParallelConfig(), config, model, pg_collection=groups)
     optimizer = DistributedOptimizer(make_optimizer("adam", ddp.parameters()), ddp)
+    if saving:  # a step, so that the optimizer state differs between the TP positions
+        ddp.zero_grad_buffer()
+        (batch,) = local_microbatches(0, groups.dp.rank(), groups.dp.size(), 1)
+        ddp(batch).backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
     state = {"optim": optimizer.dcp_state_dict()}
     assert all(key.startswith(f"tp{tp_rank}.") for key in state["optim"]["state"])
     if saving:
@@ -132,15 +139,24 @@ def main_params_after(directory: str, saving: bool) -> tuple[int, torch.Tensor]:
     else:
         dcp.load(state, checkpoint_id=directory)
         optimizer.load_dcp_state_dict(state["optim"])
+    gathered = optimizer.state_dict()["state"]
+    exp_avg = {name: entry["exp_avg"] for name, entry in gathered.items()} if groups.dp.rank() == 0 else None
     result = flat_params(model)
     destroy_process_groups(groups)
-    return tp_rank, result
+    return tp_rank, result, exp_avg
 
 
 def test_tensor_parallel_positions_keep_their_own_state(tmp_path: Path) -> None:
-    """Saved at DP2 x TP2, loaded at DP1 x TP2: each TP position gets its own values back."""
+    """Saved at DP2 x TP2, loaded at DP1 x TP2: each TP position gets its own params and Adam state back."""
     directory = str(tmp_path / "ckpt")
-    saved = dict(run_distributed(main_params_after, 4, args=(directory, True)))
-    for tp_rank, loaded in run_distributed(main_params_after, 2, args=(directory, False)):
-        assert torch.equal(loaded, saved[tp_rank]), tp_rank
-    assert not torch.equal(saved[0], saved[1])
+    saved = {
+        tp: (p, e) for tp, p, e in run_distributed(state_after, 4, args=(directory, True)) if e is not None
+    }
+    for tp_rank, params, exp_avg in run_distributed(state_after, 2, args=(directory, False)):
+        want_params, want_exp_avg = saved[tp_rank]
+        assert torch.equal(params, want_params), tp_rank
+        assert exp_avg is not None
+        assert exp_avg.keys() == want_exp_avg.keys()
+        assert all(torch.equal(exp_avg[k], want_exp_avg[k]) for k in want_exp_avg), tp_rank
+    assert not torch.equal(saved[0][0], saved[1][0])
+    assert any(not torch.equal(saved[0][1][k], saved[1][1][k]) for k in saved[0][1])

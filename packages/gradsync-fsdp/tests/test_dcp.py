@@ -1,6 +1,7 @@
 """torch.distributed.checkpoint with MegatronFSDP's uneven shards: a checkpoint of model and optimizer
-saved at one DP size loads at another (4 -> 2 and 2 -> 4), and training continues as if uninterrupted:
-equal (<= 1e-6) to the run that never stopped, on the same global batches; at the same size, bit-identical.
+saved at one DP size (after step 10) loads at another (4 -> 2 and 2 -> 4), and training continues as if
+uninterrupted: equal (<= 1e-6) to the run that never stopped, on the same global batches; at the same
+size, bit-identical.
 A full state dict on rank 0 gives every param whole, for export."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from gradsync.fsdp import MegatronFSDP, fully_shard_optimizer
 from gradsync.groups.testing import run_distributed
 
 ROWS_PER_STEP = 4  # microbatches per step x world, the same at every DP size
+SAVED_AT = 10  # the checkpoint is taken after this many steps
 
 
 def build(
@@ -49,9 +51,9 @@ def train(model: MegatronFSDP, optimizer: torch.optim.Optimizer, steps: range) -
 
 def save_then_continue(strategy: str, directory: str, *hybrid: Any) -> dict[str, torch.Tensor]:
     model, optimizer = build(strategy, 0, *hybrid)
-    train(model, optimizer, range(2))
+    train(model, optimizer, range(SAVED_AT))
     dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=directory)
-    train(model, optimizer, range(2, 4))
+    train(model, optimizer, range(SAVED_AT, SAVED_AT + 2))
     return full_weights(model)
 
 
@@ -61,7 +63,7 @@ def load_then_continue(strategy: str, directory: str, *hybrid: Any) -> dict[str,
     dcp.load(state, checkpoint_id=directory)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optim"])
-    train(model, optimizer, range(2, 4))
+    train(model, optimizer, range(SAVED_AT, SAVED_AT + 2))
     return full_weights(model)
 
 

@@ -80,6 +80,39 @@ def test_equals_the_normally_initialised_model(
         assert all(torch.equal(got[k], want[k]) for k in want), rank
 
 
+class Mixed(nn.Module):
+    """A module whose init sets a child's param (MultiheadAttention zeroes out_proj.bias after out_proj's
+    own init drew it) and one with buffers its init fills (BatchNorm's running statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2)
+        self.norm = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 3)
+
+
+def mixed_after_meta_init(strategy: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    with torch.device("meta"):
+        module = Mixed()
+    torch.manual_seed(SEED)
+    config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy)
+    model = MegatronFSDP(module, shard_index(), config, init_model_with_meta_device=True)
+    buffers = {n: b.detach().cpu().clone() for n, b in model.module.named_buffers()}
+    return full_weights(model), buffers
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_inits_of_parents_and_buffers_run_as_in_the_constructor(strategy: str) -> None:
+    torch.manual_seed(SEED)
+    reference = Mixed().to(test_device())
+    assert not torch.equal(reference.norm.running_var, torch.zeros(8, device=test_device()))
+    for weights, buffers in run_distributed(mixed_after_meta_init, 2, args=(strategy,)):
+        assert weights.keys() == named_weights(reference).keys()
+        assert all(torch.equal(weights[k], v) for k, v in named_weights(reference).items())
+        assert torch.equal(weights["attention.out_proj.bias"], torch.zeros(8))  # the parent's init won
+        assert all(torch.equal(buffers[n], b.cpu()) for n, b in reference.named_buffers())
+
+
 def train_from_meta(steps: int) -> dict[str, torch.Tensor]:
     """fully_shard with an optimizer built on the meta model's params, as a user would write it."""
     module = meta_model(0)

@@ -12,8 +12,8 @@ from gradsync.buffers import disable_telemetry, enable_telemetry
 from gradsync.groups.testing import run_distributed
 
 
-def traced(outer: int) -> tuple[list[int], list[int], set[str]]:
-    trainer = Trainer.build("optim_grads_params", outer=outer)
+def traced(outer: int, outer_strategy: str) -> tuple[list[int], list[int], set[str]]:
+    trainer = Trainer.build("optim_grads_params", outer=outer, outer_dp_sharding_strategy=outer_strategy)
     recorder = enable_telemetry()
     counted = []
     for step in range(3):
@@ -26,9 +26,10 @@ def traced(outer: int) -> tuple[list[int], list[int], set[str]]:
     return counted, recorded, {label for labels in summary.values() for label in labels}
 
 
-@pytest.mark.parametrize("outer", [1, 2])
-def test_every_bucket_collective_is_recorded(outer: int) -> None:
-    for counted, recorded, labels in run_distributed(traced, 4, args=(outer,)):
+@pytest.mark.parametrize(("outer", "outer_strategy"), [(1, "no_shard"), (2, "no_shard"), (2, "optim")])
+def test_every_bucket_collective_is_recorded(outer: int, outer_strategy: str) -> None:
+    """Against each bucket's own byte count (the DDP test checks against torch.distributed itself)."""
+    for counted, recorded, labels in run_distributed(traced, 4, args=(outer, outer_strategy)):
         assert recorded == counted
         assert all(label.startswith("fsdp.bucket") for label in labels)
         assert any(label.endswith(".outer") for label in labels) == (outer > 1)

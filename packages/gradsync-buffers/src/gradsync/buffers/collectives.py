@@ -230,6 +230,10 @@ class _FP32AccumulationWork:
     def __init__(self, work: Any, scratch: torch.Tensor, output: torch.Tensor, world: int) -> None:
         self.work, self.scratch, self.output, self.world = work, scratch, output, world
 
+    def is_completed(self) -> bool:
+        """Whether the all-to-all has finished (the hang watchdog polls this)."""
+        return self.work is None or bool(self.work.is_completed())
+
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()

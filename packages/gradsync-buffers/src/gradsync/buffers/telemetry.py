@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -108,8 +109,7 @@ class CommTelemetry:
         if tensor.device.type == "cuda":
             span.events["launch"] = recorded_cuda_event()
         else:
-            for work in works:
-                _on_completion(work, span)
+            _on_completion([w for w in works if w is not None], span)
         self.spans.append(span)
         return span
 
@@ -191,15 +191,26 @@ class CommTelemetry:
         return trace
 
 
-def _on_completion(work: Any, span: CommSpan) -> None:
-    """Timestamp the span when ``work`` completes (gloo runs future callbacks when the work finishes)."""
-    if work is None or not hasattr(work, "get_future"):
-        return
-    try:
-        future = work.get_future()
-    except RuntimeError:  # a backend without futures: completion is taken when waited
-        return
-    future.then(lambda _: span.mark_complete())
+def _on_completion(works: list[Any], span: CommSpan) -> None:
+    """Timestamp the span when the last of ``works`` completes (gloo runs future callbacks, on its own
+    threads, when a work finishes; an all-gather made of broadcasts has several works)."""
+    futures = []
+    for work in works:
+        try:
+            futures.append(work.get_future())
+        except (AttributeError, RuntimeError):  # no future: completion is taken when waited
+            return
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Any) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                span.mark_complete()
+
+    for future in futures:
+        future.then(one_done)
 
 
 def _span_record(span: CommSpan) -> dict[str, Any]:

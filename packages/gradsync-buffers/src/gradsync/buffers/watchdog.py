@@ -113,7 +113,7 @@ class HangWatchdog:
                     self.hang = self._diagnose(ranks, sequence, label, kind, time.monotonic() - started)
                     raise CollectiveHangError(self.hang)
                 time.sleep(pause)
-                pause = min(pause * 2, 0.02)
+                pause = min(pause * 2, 1e-3)  # at most a millisecond late
             work.wait()
         finally:
             self.waiting = None

@@ -276,6 +276,8 @@ class FlatParamBucket:
                 else:
                     target = self.weight[lo:hi]
                 target.copy_(self.main_weight)
+        # outer optim: the other pieces may have changed on their ranks (every rank must agree, so frozen
+        # buckets are gathered too: a load writes each rank's piece only)
         self._outer_stale = self.outer is not None and self.outer.pieces > 1
         self.mark_replicas_stale()
         self._mark_installed()
