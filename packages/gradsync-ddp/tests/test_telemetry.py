@@ -8,23 +8,19 @@ from __future__ import annotations
 import itertools
 import json
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 from ddp_testkit import Trainer, local_microbatches
 
 from gradsync.buffers import (
     DistributedDataParallelConfig,
-    collectives,
     disable_telemetry,
     enable_telemetry,
     telemetry,
 )
+from gradsync.buffers.testing import issued_collectives
 from gradsync.groups.testing import run_distributed
 
 CONFIGS = {
@@ -35,36 +31,6 @@ CONFIGS = {
 }
 
 
-@contextmanager
-def bytes_handed_to_torch() -> Iterator[list[int]]:
-    """Bytes of every collective issued while open: the tensor each rank hands over (for the
-    broadcast-based gather, the shards, which add up to the bucket)."""
-    seen = [0]
-    originals = {
-        (dist, "all_reduce"): lambda args, kwargs: args[0],
-        (dist, "broadcast"): lambda args, kwargs: args[0],
-        (collectives, "dist_reduce_scatter_func"): lambda args, kwargs: args[1],
-        (collectives, "dist_all_gather_func"): lambda args, kwargs: args[0],
-    }
-    saved = {key: getattr(*key) for key in originals}
-
-    def spy(original: Callable[..., Any], payload: Callable[..., torch.Tensor]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            tensor = payload(args, kwargs)
-            seen[0] += tensor.numel() * tensor.element_size()
-            return original(*args, **kwargs)
-
-        return call
-
-    for (owner, name), payload in originals.items():
-        setattr(owner, name, spy(saved[(owner, name)], payload))
-    try:
-        yield seen
-    finally:
-        for (owner, name), original in saved.items():
-            setattr(owner, name, original)
-
-
 def traced_training(
     config: DistributedDataParallelConfig, path: str
 ) -> tuple[dict[int, int], dict[int, int]]:
@@ -73,7 +39,7 @@ def traced_training(
     recorder = enable_telemetry()
     issued: dict[int, int] = {}
     for step in range(3):
-        with bytes_handed_to_torch() as seen:
+        with issued_collectives() as seen:
             trainer.ddp.zero_grad_buffer()
             trainer.optimizer.zero_grad()
             (batch,) = local_microbatches(step, rank, world, 1)
@@ -84,10 +50,10 @@ def traced_training(
             with telemetry.phase("optimizer"):
                 trainer.ddp.finish_grad_sync()
                 trainer.optimizer.step()
-        issued[step] = seen[0]
-    with bytes_handed_to_torch() as seen:
+        issued[step] = sum(c.nbytes for c in seen)
+    with issued_collectives() as seen:
         trainer.full_params()  # the last gather (distributed optimizer), in step 2's record
-    issued[2] += seen[0]
+    issued[2] += sum(c.nbytes for c in seen)
     recorder.write_chrome_trace(path)
     disable_telemetry()
     summary = recorder.summary()

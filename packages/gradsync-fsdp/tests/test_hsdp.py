@@ -29,7 +29,8 @@ from fsdp_testkit import (
     shard_index,
 )
 
-from gradsync.buffers import DistributedDataParallelConfig, collectives
+from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.buffers.testing import issued_collectives
 from gradsync.fsdp import MegatronFSDP
 from gradsync.groups.testing import run_distributed
 
@@ -101,31 +102,13 @@ def test_bf16_reductions_in_both_stages(strategy: str, outer_strategy: str) -> N
 
 @contextlib.contextmanager
 def outer_collectives(outer_group: dist.ProcessGroup) -> Iterator[Counter[str]]:
-    """Count collectives issued over ``outer_group``, by kind, while the context is open."""
-    seen: Counter[str] = Counter()
-    patched = {
-        (dist, "all_reduce"): "all_reduce",
-        (dist, "broadcast"): "gather",
-        (collectives, "dist_all_gather_func"): "gather",
-        (collectives, "dist_reduce_scatter_func"): "reduce_scatter",
-    }
-    originals = {key: getattr(*key) for key in patched}
-
-    def spy(original: Callable[..., Any], kind: str) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("group") is outer_group:
-                seen[kind] += 1
-            return original(*args, **kwargs)
-
-        return call
-
-    for (owner, name), kind in patched.items():
-        setattr(owner, name, spy(originals[(owner, name)], kind))
-    try:
-        yield seen
-    finally:
-        for (owner, name), original in originals.items():
-            setattr(owner, name, original)
+    """Count collectives issued over ``outer_group``, by kind (a gather's broadcasts count as a gather),
+    while the context is open."""
+    counts: Counter[str] = Counter()
+    with issued_collectives() as seen:
+        yield counts
+    gathers = {"broadcast", "all_gather"}
+    counts.update("gather" if c.kind in gathers else c.kind for c in seen if c.group is outer_group)
 
 
 Phases = list[tuple[str, dict[str, int]]]

@@ -1,0 +1,59 @@
+"""A test helper: every collective that :mod:`gradsync.buffers.collectives` asks torch.distributed for,
+recorded as torch sees it, so tests can check gradsync's own accounting (telemetry, byte counters,
+which group a stage uses) against something computed another way."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import collectives
+
+
+@dataclass(frozen=True)
+class IssuedCollective:
+    """One call into torch.distributed: its kind, its group and the bytes this rank handed over (the
+    bucket; for one broadcast of a broadcast-based gather, that shard)."""
+
+    kind: str
+    group: dist.ProcessGroup | None
+    nbytes: int
+
+
+_PAYLOADS: dict[tuple[Any, str], tuple[str, Callable[[tuple[Any, ...]], torch.Tensor]]] = {
+    (dist, "all_reduce"): ("all_reduce", lambda args: args[0]),
+    (dist, "broadcast"): ("broadcast", lambda args: args[0]),
+    (dist, "all_to_all_single"): ("all_to_all", lambda args: args[1]),
+    (collectives, "dist_reduce_scatter_func"): ("reduce_scatter", lambda args: args[1]),
+    (collectives, "dist_all_gather_func"): ("all_gather", lambda args: args[0]),
+}
+
+
+@contextlib.contextmanager
+def issued_collectives() -> Iterator[list[IssuedCollective]]:
+    """Record, while open, every collective issued on this rank through gradsync's collectives."""
+    seen: list[IssuedCollective] = []
+    originals = {key: getattr(*key) for key in _PAYLOADS}
+
+    def spy(
+        original: Callable[..., Any], kind: str, payload: Callable[..., torch.Tensor]
+    ) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            tensor = payload(args)
+            seen.append(IssuedCollective(kind, kwargs.get("group"), tensor.numel() * tensor.element_size()))
+            return original(*args, **kwargs)
+
+        return call
+
+    for (owner, name), (kind, payload) in _PAYLOADS.items():
+        setattr(owner, name, spy(originals[(owner, name)], kind, payload))
+    try:
+        yield seen
+    finally:
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
