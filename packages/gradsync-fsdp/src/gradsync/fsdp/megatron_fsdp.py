@@ -108,8 +108,8 @@ class MegatronFSDP(nn.Module):
         self.device = _resolve_device(device, module, dist_index, init_model_with_meta_device)
         refuse_unsupported(ddp_config, dist_index, self.device)
         self.outer = outer_replication(ddp_config, dist_index, self.sharding)
-        meta_params = replace_meta_params(module, self.device) if init_model_with_meta_device else {}
-        unset = set(meta_params.values())
+        meta = replace_meta_params(module, self.device) if init_model_with_meta_device else None
+        unset = meta.placeholders if meta is not None else set()
         if device is not None:
             module.to(device)
         self.module = module
@@ -143,8 +143,8 @@ class MegatronFSDP(nn.Module):
         self.param_to_name = {p: n for n, p in named}
         self._position = {p: (b, i) for b in self.buckets for i, p in enumerate(b.spec.params)}
         self.raw_param = dict(named)
-        if unset:
-            materialize(module, unset, self._write_param, param_init_fn)
+        if meta is not None:
+            materialize(module, meta, self._write_param, param_init_fn)
         shard_dim = dist_index.dp_shard_dim or ""
         dims = (dist_index.dp_outer_dim, shard_dim) if dist_index.dp_outer_dim else (shard_dim,)
         self._mesh = dist_index.get_submesh(dims)
@@ -159,8 +159,8 @@ class MegatronFSDP(nn.Module):
         }
         for dist_p in self.sharded_param_of.values():
             dist_p._megatron_fsdp_model = self  # type: ignore[attr-defined]
-        for meta, placeholder in meta_params.items():  # an optimizer built on the meta model (fully_shard)
-            self.sharded_param_of[meta] = self.sharded_param_of[placeholder]
+        for meta_param, placeholder in (meta.params if meta is not None else {}).items():
+            self.sharded_param_of[meta_param] = self.sharded_param_of[placeholder]  # fully_shard's optimizer
         self._reduction = GradReduction(
             None if calculate_per_token_loss else 1.0 / dist_index.get_dp_group().size(),
             ddp_config.average_in_collective,

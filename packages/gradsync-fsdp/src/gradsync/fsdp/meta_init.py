@@ -19,6 +19,7 @@ the random stream stays aligned. Meta buffers are given memory and left to their
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -27,10 +28,26 @@ ParamInitFn = Callable[[nn.Module], None]
 WriteParam = Callable[[nn.Parameter, torch.Tensor], None]
 
 
-def replace_meta_params(module: nn.Module, device: torch.device) -> dict[nn.Parameter, nn.Parameter]:
+@dataclass
+class MetaReplacement:
+    """What :func:`replace_meta_params` swapped: {meta param: placeholder}, and the modules whose buffers
+    were on the meta device."""
+
+    params: dict[nn.Parameter, nn.Parameter] = field(default_factory=dict)
+    buffer_owners: set[nn.Module] = field(default_factory=set)
+    placeholders: set[nn.Parameter] = field(default_factory=set)
+
+    def needs_init(self, owner: nn.Module) -> bool:
+        """Whether ``owner`` itself holds a placeholder or a buffer that was on the meta device."""
+        own = any(p is not None and p in self.placeholders for p in owner._parameters.values())
+        return own or owner in self.buffer_owners
+
+
+def replace_meta_params(module: nn.Module, device: torch.device) -> MetaReplacement:
     """Swap every meta param of ``module`` for an empty placeholder on ``device``, and give every meta
-    buffer uninitialised storage there (its module's init fills it). Returns {meta param: placeholder}."""
-    replaced: dict[nn.Parameter, nn.Parameter] = {}
+    buffer uninitialised storage there (its module's init fills it)."""
+    done = MetaReplacement()
+    replaced = done.params
     for owner in module.modules():
         for leaf, param in owner._parameters.items():
             if param is None or not param.is_meta:
@@ -46,13 +63,14 @@ def replace_meta_params(module: nn.Module, device: torch.device) -> dict[nn.Para
         for leaf, buffer in owner._buffers.items():
             if buffer is not None and buffer.is_meta:
                 owner._buffers[leaf] = torch.empty_like(buffer, device=device)
-                owner.__dict__.setdefault(_META_BUFFERS, set()).add(leaf)
-    return replaced
+                done.buffer_owners.add(owner)
+    done.placeholders = set(replaced.values())
+    return done
 
 
 def materialize(
     module: nn.Module,
-    placeholders: set[nn.Parameter],
+    replacement: MetaReplacement,
     write: WriteParam,
     param_init_fn: ParamInitFn | None = None,
 ) -> None:
@@ -61,10 +79,11 @@ def materialize(
     The unit of work is the outermost module that holds placeholders or meta buffers itself, with its
     whole subtree: a module's init may set its children's params (``nn.MultiheadAttention`` zeroes its
     ``out_proj.bias``), and it runs after theirs, children first, as in a constructor."""
+    placeholders = replacement.placeholders
     pending = set(placeholders)
 
     def visit(name: str, owner: nn.Module) -> None:
-        if not _needs_init(owner, placeholders):
+        if not replacement.needs_init(owner):
             for child_name, child in owner.named_children():
                 visit(f"{name}.{child_name}" if name else child_name, child)
             return
@@ -74,26 +93,15 @@ def materialize(
             param.data = torch.empty(param.shape, dtype=param.dtype, device=views[0].device)
         with torch.no_grad():
             for sub_name, sub in _children_first(name, owner):
-                if _needs_init(sub, placeholders):
+                if replacement.needs_init(sub):
                     (param_init_fn or _reset_method(sub_name, sub))(sub)
         for param, view in zip(params, views, strict=True):
             if param in pending:  # a param tied to an earlier subtree keeps that subtree's value
                 write(param, param.data)
                 pending.discard(param)
             param.data = view
-        for sub in owner.modules():
-            sub.__dict__.pop(_META_BUFFERS, None)
 
     visit("", module)
-
-
-_META_BUFFERS = "_gradsync_meta_buffers"
-
-
-def _needs_init(owner: nn.Module, placeholders: set[nn.Parameter]) -> bool:
-    """Whether ``owner`` itself holds a placeholder or a buffer that was on the meta device."""
-    own = any(p is not None and p in placeholders for p in owner._parameters.values())
-    return own or bool(owner.__dict__.get(_META_BUFFERS))
 
 
 def _children_first(name: str, owner: nn.Module) -> list[tuple[str, nn.Module]]:

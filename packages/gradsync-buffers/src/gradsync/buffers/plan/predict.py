@@ -102,9 +102,8 @@ def _zero3_exposed(sizes: Sequence[int], costs: LinkCosts, dp: int, forward: flo
     stall = 0.0
     for phase_time, reduce in ((forward, False), (backward, True)):
         order = units if not reduce else list(reversed(units))
-        channel_free, compute = 0.0, 0.0
-        gathered = costs.time("all_gather", order[0] * FP32, dp)
-        channel_free = gathered
+        compute = 0.0
+        gathered = channel_free = costs.time("all_gather", order[0] * FP32, dp)
         for index, size in enumerate(order):
             start = max(compute, gathered)  # compute of this unit waits for its weights
             stall += start - compute
