@@ -158,11 +158,21 @@ class Trainer:
         """One optimizer step over ``micro`` microbatches, all but the last under no_sync(); the last runs
         plainly (``no_sync``), inside sync() (``sync``), with auto-sync switched on (``auto``) or under
         no_sync() too (``deferred``: finish_grad_sync must reduce what the cycle left); or every forward
-        first, then every backward (``forwards_first``)."""
+        first, then every backward (``forwards_first``); or with no no_sync() at all, every backward
+        reducing, with auto-sync (``always_sync``) or without (``plain``)."""
         rank, world = dist.get_rank(), dist.get_world_size()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         batches = local_microbatches(step, rank, world, micro)
+        if accumulation in ("always_sync", "plain"):  # no no_sync() at all, as torch DDP / FSDP2 users
+            self.model.set_model_auto_sync(accumulation == "always_sync")  # write it: every backward
+            for batch in batches:  # reduces, the reduced grads add up
+                (self.model(batch) / micro).backward()
+            self.model.set_model_auto_sync(False)
+            self.model.finish_grad_sync()
+            self.optimizer.step()
+            self.model.install_optimized_model_weights()
+            return
         if accumulation == "forwards_first":  # as a pipeline schedule's warm-up: every forward, then
             losses = [self.model(batch) / micro for batch in batches]  # every backward
             for loss in losses[:-1]:

@@ -14,13 +14,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsdp_testkit import (
+    Block,
     TinyTransformer,
     full_weights,
     local_microbatches,
     make_optimizer,
     max_relative_difference,
+    shard_index,
     wrap,
 )
+from torch import nn
 
 from gradsync.fsdp import MegatronFSDP, fully_shard_optimizer
 from gradsync.groups.testing import run_distributed
@@ -119,3 +122,32 @@ def export(strategy: str) -> dict[str, torch.Tensor]:
 def test_full_state_dict_on_rank_0(strategy: str) -> None:
     full = run_distributed(export, 2, args=(strategy,))[0]
     assert set(full) == set(TinyTransformer().state_dict())
+
+
+class WithExtraState(nn.Module):
+    """As Megatron's layers: ``get_extra_state`` gives None (Transformer Engine's fp8 metadata elsewhere)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TinyTransformer()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.inner(tokens)
+
+    def get_extra_state(self) -> Any:
+        return None
+
+    def set_extra_state(self, state: Any) -> None:
+        assert state is None
+
+
+def export_with_extra_state() -> dict[str, Any]:
+    model = MegatronFSDP(WithExtraState(), shard_index(), fsdp_unit_modules=[Block])
+    return model.full_state_dict(rank0_only=False)
+
+
+def test_full_state_dict_keeps_non_tensor_entries() -> None:
+    for full in run_distributed(export_with_extra_state, 2):
+        assert set(full) == set(WithExtraState().state_dict())
+        assert full["_extra_state"] is None
+        assert torch.equal(full["inner.blocks.1.up.weight"], TinyTransformer().blocks[1].up.weight.cpu())

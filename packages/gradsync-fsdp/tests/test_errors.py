@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from gradsync.buffers import DistributedDataParallelConfig
-from gradsync.fsdp import MegatronFSDP, fully_shard_optimizer
+from gradsync.fsdp import MegatronFSDP, fully_shard_model, fully_shard_optimizer
 from gradsync.groups import FSDPDistributedIndex
 from gradsync.groups.testing import run_distributed, test_device
 
@@ -39,26 +39,6 @@ def construction_errors() -> None:
 
 def test_bad_config_and_units_are_named() -> None:
     run_distributed(construction_errors, 2)
-
-
-class SharedInsideTwoUnits(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = Block(), Block()
-        self.b.up.weight = self.a.up.weight
-
-
-def param_in_two_units() -> None:
-    with pytest.raises(
-        ValueError, match=r"'up.weight' of FSDP unit #0 \(Block\) is also reached from unit #1"
-    ):
-        MegatronFSDP(
-            SharedInsideTwoUnits().to(test_device()), shard_index(), config(), fsdp_unit_modules=[Block]
-        )
-
-
-def test_a_param_in_two_units_is_refused() -> None:
-    run_distributed(param_in_two_units, 2)
 
 
 def models_differ() -> None:
@@ -90,18 +70,6 @@ def test_a_dist_index_that_does_not_cover_this_rank_is_refused() -> None:
     run_distributed(index_outside_the_world, 2)
 
 
-def accumulate_after_reduction() -> None:
-    model = wrap("no_shard")
-    batch = local_microbatches(0, dist.get_rank(), 2, 1)[0]
-    model(batch).backward()  # outside no_sync: reduced at the end of this backward
-    with pytest.raises(RuntimeError, match="already reduced this cycle"):
-        model(batch).backward()
-
-
-def test_grads_added_after_the_reduction_raise() -> None:
-    run_distributed(accumulate_after_reduction, 2)
-
-
 def foreign_optimizer() -> None:
     with pytest.raises(ValueError, match="not MegatronFSDP's"):
         fully_shard_optimizer(torch.optim.SGD(TinyTransformer().parameters(), lr=0.1))
@@ -125,6 +93,22 @@ def nan_on_rank_1() -> None:
 
 def test_nan_grads_raise_on_every_rank_naming_the_rank() -> None:
     run_distributed(nan_on_rank_1, 2)
+
+
+def nan_in_one_param_on_rank_1() -> str:
+    model = fully_shard_model(TinyTransformer(), fsdp_unit_modules=[Block], report_nan_in_param_grad=True)
+    batch = local_microbatches(0, dist.get_rank(), 2, 1)[0]
+    if dist.get_rank() == 1:
+        model.module.blocks[1].down.bias.register_hook(lambda grad: grad * float("nan"))
+    with pytest.raises(RuntimeError, match=r"on rank\(s\) \[1\]") as caught:
+        model(batch).backward()
+    return str(caught.value)
+
+
+def test_report_nan_in_param_grad_names_the_param_on_its_rank() -> None:
+    ok, named = run_distributed(nan_in_one_param_on_rank_1, 2)
+    assert "blocks.1.down.bias" in named
+    assert "on this rank" not in ok
 
 
 def eval_forward_releases() -> None:

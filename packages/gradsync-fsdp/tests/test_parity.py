@@ -1,6 +1,7 @@
 """Every strategy on 2 and 4 gloo ranks: 20 SGD-momentum steps of a tied-embedding transformer equal one
 process on the concatenated global batch (fp32: max relative param difference <= 1e-6), and so does
-gradient accumulation over 4 microbatches with no_sync / sync / set_model_auto_sync."""
+gradient accumulation over 4 microbatches with no_sync / sync / set_model_auto_sync, or with every microbatch
+reducing (no no_sync() at all, as torch DDP and FSDP2 users write it)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ def test_matches_single_process(strategy: str, world: int) -> None:
         assert max_relative_difference(weights, reference(world, 1, STEPS)) <= 1e-6, rank
 
 
-@pytest.mark.parametrize("accumulation", ["no_sync", "sync", "auto", "deferred", "forwards_first"])
+@pytest.mark.parametrize(
+    "accumulation", ["no_sync", "sync", "auto", "deferred", "forwards_first", "always_sync", "plain"]
+)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_gradient_accumulation_over_four_microbatches(strategy: str, accumulation: str) -> None:
     results = run_distributed(train, 2, args=(strategy, 4, 4, accumulation, {}))

@@ -46,10 +46,10 @@ class PrefetchOrder(Enum):
 
 
 class GradReduction:
-    """How grads are scaled and reduced: pre-multiplied by ``factor`` (None: not scaled) and summed, or
-    averaged by the collective."""
+    """How grads are scaled and reduced (:func:`gradsync.buffers.gradient_scaling_factors`): pre-multiplied
+    by ``factor`` and summed, or averaged by the collective."""
 
-    def __init__(self, factor: float | None, average_in_collective: bool) -> None:
+    def __init__(self, factor: float, average_in_collective: bool) -> None:
         self.factor = factor
         self.average = average_in_collective
 
@@ -133,6 +133,8 @@ class FlatParamBucket:
         self.comm_dtype = policy.comm_dtype(self.dtype)
         self.grad: torch.Tensor | None = None
         self._unreduced: torch.Tensor | None = None  # ZeRO-2/3: this backward's whole-bucket grads
+        self._reduced_earlier: torch.Tensor | None = None  # see set_aside_reduced
+        self.non_finite_params: list[str] = []  # report_nan_in_param_grad: this rank's, in this backward
         if spec.requires_grad:
             lo, hi = self.grad_range
             self.grad = torch.zeros(hi - lo, dtype=self.grad_dtype, device=device)
@@ -142,7 +144,6 @@ class FlatParamBucket:
         self.status = BucketStatus.READY_TO_USE
         self.communicated_bytes = 0
         self._gather: Launched | None = None
-        self._installed_version = self.optimizer_source()[0]._version
         if sharding.shard_params:
             self.release()
 
@@ -172,14 +173,6 @@ class FlatParamBucket:
         if self.weight_shard is not None:
             return self.weight_shard, self.shard_lo
         return self.weight, 0
-
-    def optimizer_stepped(self) -> bool:
-        """Whether the weights the optimizer views changed since they were last installed (every
-        in-place write to a view bumps the buffer's version counter)."""
-        return self.optimizer_source()[0]._version != self._installed_version
-
-    def _mark_installed(self) -> None:
-        self._installed_version = self.optimizer_source()[0]._version
 
     def local_span(self, index: int) -> tuple[int, int]:
         """Buffer coordinates of item ``index``'s rows this rank's optimizer owns."""
@@ -239,8 +232,6 @@ class FlatParamBucket:
         if self._gather is not None:
             self._gather.wait()
             self._gather = None
-            if self.optimizer_source()[0] is self.weight:  # the gather wrote what the optimizer views
-                self._mark_installed()
         self.status = BucketStatus.READY_TO_USE
 
     def release(self) -> None:
@@ -280,7 +271,6 @@ class FlatParamBucket:
         # buckets are gathered too: a load writes each rank's piece only)
         self._outer_stale = self.outer is not None and self.outer.pieces > 1
         self.mark_replicas_stale()
-        self._mark_installed()
 
     def write_param(self, index: int, value: torch.Tensor) -> None:
         """Set item ``index`` to ``value`` (the whole param) in the compute and main weights this rank
@@ -294,7 +284,6 @@ class FlatParamBucket:
                 _copy_overlap(self.weight_shard, self.shard_lo, flat, item)
             if self.main_weight is not None:
                 _copy_overlap(self.main_weight, self.main_range[0], flat, item)
-        self._mark_installed()
 
     def reset_from_weights(self) -> None:
         """Re-derive this rank's weight shard and main weights from the whole compute buffer."""
@@ -305,7 +294,6 @@ class FlatParamBucket:
                 lo, hi = self.main_range
                 self.main_weight.copy_(self.weight[lo:hi])
         self._outer_stale = False
-        self._mark_installed()
 
     # --- grads -------------------------------------------------------------------------------------
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
@@ -328,7 +316,7 @@ class FlatParamBucket:
             wire = self.grad if self.comm_dtype == self.grad_dtype else self.grad.to(self.comm_dtype)
         if check_for_nan:
             self._refuse_non_finite(wire)
-        if reduction.factor is not None and not reduction.average:
+        if reduction.factor != 1.0:
             wire.mul_(reduction.factor)
         if not self.sharding.shard_main:
             launched = all_reduce(wire, self.group, average=reduction.average, label=self.label)
@@ -354,17 +342,21 @@ class FlatParamBucket:
             self.allocators.grads.free(self.bucket_id)
 
     def _refuse_non_finite(self, wire: torch.Tensor) -> None:
-        """Raise on every rank, naming the ranks, if any rank's unreduced grads hold NaN or Inf. The flags
-        are gathered first, so no rank raises while the others wait in the reduction."""
+        """Raise on every rank, naming the ranks (and, with ``report_nan_in_param_grad``, this rank's
+        params), if any rank's unreduced grads hold NaN or Inf. The flags are gathered first, so no rank
+        raises while the others wait in the reduction."""
         group = self.outer.hybrid_group if self.outer is not None else self.group
         mine = (~torch.isfinite(wire).all()).to(torch.int32).reshape(1)
         flags = torch.empty(group.size(), dtype=torch.int32, device=wire.device)
         dist.all_gather_into_tensor(flags, mine, group=group)
         bad = [dist.get_global_rank(group, r) for r, flag in enumerate(flags.tolist()) if flag]
+        params, self.non_finite_params = self.non_finite_params, []
         if bad:
+            here = f"; on this rank in the grads of {params}" if params else ""
             raise RuntimeError(
                 f"MegatronFSDP (check_for_nan_in_grad=True): NaN or Inf in the grads of bucket "
                 f"{self.bucket_id} ({', '.join(self.spec.names)}) on rank(s) {bad}, before the reduction"
+                f"{here}"
             )
 
     def _finish_reduce(self, wire: torch.Tensor) -> None:
@@ -374,6 +366,27 @@ class FlatParamBucket:
             self._drop_unreduced()
         elif wire is not self.grad:
             self.grad.copy_(wire)
+        if self.outer is None:  # otherwise the outer stage ends the reduction
+            self._add_back_reduced()
+
+    def set_aside_reduced(self) -> None:
+        """A grad arrives after this cycle's final reduction (accumulation without ``no_sync()``): keep the
+        reduced grads the optimizer reads apart and zero the buffer, so the next reduction sees only new
+        grads; it adds them back when it ends. The sum of reduced grads is what ZeRO-2/3 accumulate."""
+        assert self.grad is not None
+        assert self._reduced_earlier is None, "set aside twice without a reduction in between"
+        lo, hi = self.main_range
+        base = self.grad_range[0]
+        self._reduced_earlier = self.grad[lo - base : hi - base].clone()
+        self.grad.zero_()
+
+    def _add_back_reduced(self) -> None:
+        if self._reduced_earlier is not None:
+            assert self.grad is not None
+            lo, hi = self.main_range
+            base = self.grad_range[0]
+            self.grad[lo - base : hi - base].add_(self._reduced_earlier)
+            self._reduced_earlier = None
 
     def launch_outer_reduce(self, reduction: GradReduction) -> Launched:
         """The cycle's outer stage: all-reduce the grads this rank's optimizer steps over the outer group
@@ -399,6 +412,7 @@ class FlatParamBucket:
                 region.copy_(wire)
 
             launched.after.append(copy_back)
+        launched.after.append(self._add_back_reduced)
         self.communicated_bytes += wire.numel() * wire.element_size()
         return launched
 
@@ -412,6 +426,7 @@ class FlatParamBucket:
         if self.grad is not None:
             self.grad.zero_()
         self._drop_unreduced()
+        self._reduced_earlier = None
 
 
 def _copy_overlap(target: torch.Tensor, base: int, flat: torch.Tensor, item: ItemPlacement) -> None:

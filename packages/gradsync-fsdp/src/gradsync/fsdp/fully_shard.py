@@ -48,6 +48,7 @@ def fully_shard_model(
     disable_bucketing: bool = False,
     calculate_per_token_loss: bool = False,
     param_init_fn: ParamInitFn | None = None,
+    report_nan_in_param_grad: bool = False,
     **cuda_only: Any,
 ) -> MegatronFSDP:
     """Wrap ``module`` in :class:`MegatronFSDP` with ``zero_dp_strategy`` (0-3 or its name).
@@ -103,6 +104,7 @@ def fully_shard_model(
         sync_model_each_microbatch=sync_model_each_microbatch,
         mixed_precision_policy=mixed_precision_policy or MixedPrecisionPolicy(),
         param_init_fn=param_init_fn,
+        report_nan_in_param_grad=report_nan_in_param_grad,
     )
 
 

@@ -4,9 +4,10 @@ Deliberate differences from Megatron-FSDP v1 (see the package README): the calle
 mutated; gradients are never silently left unreduced (``is_last_microbatch`` defaults to True and
 ``finish_grad_sync`` reduces whatever a cycle left pending); ``parameters()`` always yields the optimizer's
 DTensor params while the wrapped module always holds the compute params; ZeRO-1/2 replicas are refreshed
-after every ``install_optimized_model_weights`` (and a forward after an optimizer step installs the
-weights itself if nobody did); ``sync()``/``no_sync()`` restore the previous value; ZeRO-3 releases
-non-unit buckets after every backward.
+after every ``install_optimized_model_weights`` (and the first forward after a torch optimizer stepped
+the model's params installs the weights itself if nobody did: :mod:`gradsync.fsdp.step_tracking`);
+``sync()``/``no_sync()`` restore the previous value; ZeRO-3 releases non-unit buckets after every
+backward.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from gradsync.buffers import (
     DistributedDataParallelConfig,
     check_params_match_across_ranks,
+    gradient_scaling_factors,
     telemetry,
     watchdog,
 )
@@ -44,10 +46,11 @@ from .hooks import (
 )
 from .hsdp import optimizer_placements, outer_replication
 from .meta_init import ParamInitFn, materialize, replace_meta_params
-from .mixed_precision import MixedPrecisionPolicy
+from .mixed_precision import MixedPrecisionPolicy, policy_from_config
 from .optimizer_params import attach_grads, build_optimizer_params
+from .step_tracking import OWNER, watch_optimizer_steps
 from .strategy import parse_strategy
-from .support import refuse_unsupported
+from .support import refuse_contradicting_keywords, refuse_unsupported
 from .units import UnitEntry, find_units, group_into_buckets, resolve_unit_classes
 
 
@@ -87,10 +90,13 @@ class MegatronFSDP(nn.Module):
         mixed_precision_policy: MixedPrecisionPolicy | None = None,
         *,
         param_init_fn: ParamInitFn | None = None,
+        report_nan_in_param_grad: bool = False,
     ) -> None:
         """``init_model_with_meta_device``: ``module`` was built on the meta device; it is materialised
         module by module into the shards (:mod:`gradsync.fsdp.meta_init`), by ``param_init_fn(module)``
-        (gradsync's addition) or each module's ``reset_parameters()``."""
+        (gradsync's addition) or each module's ``reset_parameters()``. ``report_nan_in_param_grad``
+        checks every param's grad as it arrives (a host sync per param: for debugging) and names the
+        params in the NaN check that runs on every rank before each reduction."""
         super().__init__()
         if ddp_config is None:
             ddp_config = dataclasses.replace(
@@ -100,11 +106,19 @@ class MegatronFSDP(nn.Module):
                 keep_fp8_transpose_cache=keep_fp8_transpose_cache,
                 disable_symmetric_registration=disable_symmetric_registration,
             )
+        else:
+            keywords = {
+                "nccl_ub": nccl_ub,
+                "fsdp_double_buffer": fsdp_double_buffer,
+                "keep_fp8_transpose_cache": keep_fp8_transpose_cache,
+                "disable_symmetric_registration": disable_symmetric_registration,
+            }
+            refuse_contradicting_keywords(ddp_config, keywords)
         self.ddp_config = ddp_config
         self.sharding = parse_strategy(ddp_config.data_parallel_sharding_strategy)
         self.data_parallel_sharding_strategy = self.sharding.name
         self.dist_index = dist_index
-        self.mp_policy = mixed_precision_policy or _policy_from_config(ddp_config)
+        self.mp_policy = policy_from_config(ddp_config, mixed_precision_policy)
         self.device = _resolve_device(device, module, dist_index, init_model_with_meta_device)
         refuse_unsupported(ddp_config, dist_index, self.device)
         self.outer = outer_replication(ddp_config, dist_index, self.sharding)
@@ -114,6 +128,7 @@ class MegatronFSDP(nn.Module):
             module.to(device)
         self.module = module
         self.calculate_per_token_loss = calculate_per_token_loss
+        self.report_nan_in_param_grad = report_nan_in_param_grad
 
         group = dist_index.get_fsdp_group()
         named = list(module.named_parameters())
@@ -158,13 +173,18 @@ class MegatronFSDP(nn.Module):
             for raw, dist_p in zip(b.spec.params, params, strict=True)
         }
         for dist_p in self.sharded_param_of.values():
-            dist_p._megatron_fsdp_model = self  # type: ignore[attr-defined]
+            setattr(dist_p, OWNER, self)
+        self._stepped = False  # an optimizer stepped the params since the last install
+        watch_optimizer_steps()
         for meta_param, placeholder in (meta.params if meta is not None else {}).items():
             self.sharded_param_of[meta_param] = self.sharded_param_of[placeholder]  # fully_shard's optimizer
-        self._reduction = GradReduction(
-            None if calculate_per_token_loss else 1.0 / dist_index.get_dp_group().size(),
-            ddp_config.average_in_collective,
+        dense_factor, _ = gradient_scaling_factors(  # the rule gradsync-ddp follows too
+            ddp_config,
+            calculate_per_token_loss=calculate_per_token_loss,
+            data_parallel_cp_size=dist_index.get_dp_group().size(),
+            expert_data_parallel_size=1,
         )
+        self._reduction = GradReduction(dense_factor, ddp_config.average_in_collective)
 
         self.model_auto_sync = False
         self.set_model_auto_sync(sync_model_each_microbatch)
@@ -231,16 +251,19 @@ class MegatronFSDP(nn.Module):
         self.install_optimized_model_weights()
         return result
 
-    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, Any]:
         """Every param whole, as plain CPU tensors keyed like the wrapped module's own state dict (tied
         aliases included), for inference or export. A collective: every rank of the shard group calls it;
         with ``rank0_only`` only the group's rank 0 gets the tensors, the others an empty dict."""
         keep = not rank0_only or self.dist_index.get_dp_group().rank() == 0
         state = self.module.state_dict(keep_vars=True)
         names_of: dict[torch.Tensor, list[str]] = {}
-        for name, tensor in state.items():
-            names_of.setdefault(tensor, []).append(name)
-        copied: dict[str, torch.Tensor] = {}
+        copied: dict[str, Any] = {}
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                names_of.setdefault(value, []).append(name)
+            else:  # extra state (Megatron's layers give None): kept as it is
+                copied[name] = value
         for bucket in self.buckets:  # one bucket whole at a time, as double buffers require
             bucket.wait_gather()
             for param in bucket.spec.params:
@@ -284,7 +307,7 @@ class MegatronFSDP(nn.Module):
 
     # --- forward -----------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if any(bucket.optimizer_stepped() for bucket in self.buckets):
+        if self._stepped:
             self.install_optimized_model_weights()
         return self.module(*inputs, **kwargs)
 
@@ -370,13 +393,9 @@ class MegatronFSDP(nn.Module):
             if grad is None:
                 return
             if bucket.bucket_id in self._reduced_this_cycle:
-                raise RuntimeError(
-                    f"MegatronFSDP: a grad of {name!r} arrived after its bucket was already reduced this "
-                    "cycle (over the whole data-parallel group), and adding it would count earlier "
-                    "microbatches twice. Run all but the last "
-                    "microbatch under no_sync() (or leave model auto-sync off), or call zero_grad_buffer() "
-                    "between optimizer steps."
-                )
+                self._reopen(bucket)
+            if self.report_nan_in_param_grad and not bool(torch.isfinite(grad).all()):
+                bucket.non_finite_params.append(name)
             if not bucket.can_take_grads():
                 self._wait_reductions_until(bucket.can_take_grads)
             with torch.no_grad():
@@ -388,6 +407,14 @@ class MegatronFSDP(nn.Module):
                 self._bucket_complete(bucket)
 
         return hook
+
+    def _reopen(self, bucket: FlatParamBucket) -> None:
+        """Accumulation after the cycle's final reduction (every microbatch synced, as torch DDP and FSDP2
+        users write it): the bucket is reduced again at the end of this backward, and the reduced grads
+        are summed. Correct for every strategy; ``no_sync()`` saves the extra reductions."""
+        self._wait_reductions()  # its last reduction must have landed before its grads are set aside
+        bucket.set_aside_reduced()
+        self._reduced_this_cycle.discard(bucket.bucket_id)
 
     def _locate(self, param: nn.Parameter) -> tuple[FlatParamBucket, int]:
         return self._position[param]
@@ -427,7 +454,8 @@ class MegatronFSDP(nn.Module):
             and sum(n for _, n in self._in_flight) + elements > self.suggested_RS_queue_capacity
         ):
             self._in_flight.pop(0)[0].wait()  # bound the reductions in flight (and their buffers)
-        launched = bucket.launch_reduce(self._reduction, self.ddp_config.check_for_nan_in_grad)
+        check_for_nan = self.ddp_config.check_for_nan_in_grad or self.report_nan_in_param_grad
+        launched = bucket.launch_reduce(self._reduction, check_for_nan)
         if self.outer is not None:
             if ends_cycle:
                 self._outer_pending.discard(bucket.bucket_id)
@@ -444,12 +472,15 @@ class MegatronFSDP(nn.Module):
 
     def _root_post_backward(self) -> None:
         """End of the backward: every grad bucket not completed by its hooks (some param got no grad on
-        this rank) completes now, in bucket order so every rank posts the same collectives; then all
+        this rank) completes now, in bucket order so every rank posts the same collectives (a bucket
+        reduced earlier in the cycle is reopened too: another rank may have grads for it); then all
         reductions are waited and ZeRO-3 drops every gathered weight."""
         for bucket in self.buckets:
-            done = bucket.bucket_id in self._completed or bucket.bucket_id in self._reduced_this_cycle
-            if bucket.spec.requires_grad and not done:
-                self._bucket_complete(bucket)
+            if not bucket.spec.requires_grad or bucket.bucket_id in self._completed:
+                continue
+            if bucket.bucket_id in self._reduced_this_cycle:  # no grad here: other ranks may have some
+                self._reopen(bucket)
+            self._bucket_complete(bucket)
         self._completed.clear()
         self._wait_reductions()
         if self.sharding.shard_params:
@@ -518,15 +549,20 @@ class MegatronFSDP(nn.Module):
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
         """Start the gathers that bring the optimizer's update to every replica (ZeRO-1/2), or prefetch
-        the first weights (ZeRO-3); wait for them when ``force_sync`` or ``overlap_param_gather`` is off."""
+        the first weights (ZeRO-3); wait for them when ``force_sync`` or ``overlap_param_gather`` is off.
+        With overlap and ``fsdp_all_gather_in_start_param_sync=False`` it starts none: the forward
+        gathers each bucket as it comes."""
         if self.sharding.name == "no_shard":
             return
+        overlapped = self.ddp_config.overlap_param_gather and not force_sync
+        if overlapped and not self.ddp_config.fsdp_all_gather_in_start_param_sync:
+            return  # the forward gathers each bucket when it first needs it
         stale = [b for b in self.buckets if b.status is BucketStatus.EMPTY]
         if self.sharding.shard_params:  # the first weights only: the forward gathers each unit as it comes
             stale = self._non_unit_buckets + (self._unit_buckets[0] if self.units else [])
         for bucket in stale:
             bucket.launch_gather()
-        if force_sync or not self.ddp_config.overlap_param_gather:
+        if not overlapped:
             for bucket in stale:
                 bucket.wait_gather()
 
@@ -606,6 +642,7 @@ class MegatronFSDP(nn.Module):
         at the next forward, or now when ``overlap_param_gather`` is off."""
         for bucket in self.buckets:
             bucket.install_main_weights()
+        self._stepped = False
         if not self.ddp_config.overlap_param_gather:
             self.start_param_sync(force_sync=True)
 
@@ -643,6 +680,12 @@ class MegatronFSDP(nn.Module):
         finally:
             self.set_model_auto_sync(previous)
 
+    def mark_stepped(self) -> None:
+        """An optimizer updated the params: the next forward installs the weights unless
+        ``install_optimized_model_weights()`` runs first. torch optimizers call it by themselves; call it
+        after an update made any other way."""
+        self._stepped = True
+
     def set_model_auto_sync(self, sync_model: bool = True) -> None:
         """With auto-sync every backward reduces and ends with ``finish_grad_sync()``."""
         self.model_auto_sync = sync_model
@@ -678,11 +721,3 @@ def _resolve_device(
     if kind == "cpu":
         return torch.device("cpu")
     return torch.device(kind, torch.accelerator.current_device_index())
-
-
-def _policy_from_config(config: DistributedDataParallelConfig) -> MixedPrecisionPolicy:
-    return MixedPrecisionPolicy(
-        main_params_dtype=config.megatron_fsdp_main_params_dtype,
-        main_grads_dtype=config.megatron_fsdp_main_grads_dtype,
-        grad_comm_dtype=config.megatron_fsdp_grad_comm_dtype,
-    )

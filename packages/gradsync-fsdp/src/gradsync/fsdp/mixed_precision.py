@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gradsync.buffers import DistributedDataParallelConfig
+
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -31,3 +33,54 @@ class MixedPrecisionPolicy:
 
     def comm_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.grad_comm_dtype or self.grad_dtype(param_dtype)
+
+
+def policy_from_config(
+    config: DistributedDataParallelConfig, given: MixedPrecisionPolicy | None
+) -> MixedPrecisionPolicy:
+    """The policy ``config`` describes, or ``given`` after checking the config does not contradict it.
+    Megatron-Core's older fields map onto it (spec fsdp.md §1.10): ``grad_reduce_in_fp32`` means fp32 main
+    grads (and so fp32 reductions), ``preserve_fp32_weights=False`` no separate main weights."""
+    if given is None:
+        main_grads = config.megatron_fsdp_main_grads_dtype
+        if config.grad_reduce_in_fp32:
+            _refuse_unless(
+                main_grads in (None, torch.float32),
+                "grad_reduce_in_fp32=True",
+                "megatron_fsdp_main_grads_dtype",
+                main_grads,
+            )
+            main_grads = torch.float32
+        main_params = config.megatron_fsdp_main_params_dtype
+        if not config.preserve_fp32_weights:
+            _refuse_unless(
+                main_params in (None, torch.float32),
+                "preserve_fp32_weights=False",
+                "megatron_fsdp_main_params_dtype",
+                main_params,
+            )
+            main_params = None
+        return MixedPrecisionPolicy(main_params, main_grads, config.megatron_fsdp_grad_comm_dtype)
+    if config.grad_reduce_in_fp32:
+        _refuse_unless(
+            given.main_grads_dtype == torch.float32,
+            "grad_reduce_in_fp32=True",
+            "mixed_precision_policy.main_grads_dtype",
+            given.main_grads_dtype,
+        )
+    if not config.preserve_fp32_weights:
+        _refuse_unless(
+            given.main_params_dtype is None,
+            "preserve_fp32_weights=False",
+            "mixed_precision_policy.main_params_dtype",
+            given.main_params_dtype,
+        )
+    return given
+
+
+def _refuse_unless(agrees: bool, asked: str, field: str, value: object) -> None:
+    if not agrees:
+        raise ValueError(
+            f"MegatronFSDP: ddp_config.{asked} contradicts {field}={value}; set one of them so both say the "
+            "same (or leave the config field at its default and use the policy)"
+        )

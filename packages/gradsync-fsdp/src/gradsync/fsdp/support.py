@@ -68,6 +68,11 @@ def refuse_unsupported(
         if name not in BUILT_CUDA_ONLY_FIELDS:
             raise NotImplementedError(f"MegatronFSDP: {name} is not implemented by gradsync-fsdp yet")
     _check_buffering(config)
+    if config.megatron_fsdp_version != 1:
+        raise NotImplementedError(
+            f"MegatronFSDP: megatron_fsdp_version={config.megatron_fsdp_version!r} selects Megatron-FSDP v2 "
+            "(the experimental DBuffer implementation), which gradsync-fsdp does not provide; set it to 1"
+        )
     for name in non_default_fields(config, NOT_YET_FIELDS):
         raise NotImplementedError(
             f"MegatronFSDP: {name}={getattr(config, name)!r} is not implemented by gradsync-fsdp yet; set it "
@@ -114,3 +119,14 @@ def _check_index_matches_world(dist_index: FSDPDistributedIndex, device: torch.d
             f"MegatronFSDP: dist_index's mesh is for {mesh.device_type!r} devices but the model is on "
             f"{device}; build the mesh with device_type={device.type!r}"
         )
+
+
+def refuse_contradicting_keywords(config: DistributedDataParallelConfig, keywords: dict[str, bool]) -> None:
+    """``MegatronFSDP(..., nccl_ub=True, ddp_config=...)``: the keywords only build a config when none is
+    given; one that a given config contradicts would be ignored, so it is refused by name."""
+    for name, value in keywords.items():
+        if value and not getattr(config, name):
+            raise ValueError(
+                f"MegatronFSDP: {name}=True was passed, but ddp_config.{name}={getattr(config, name)!r}; the "
+                f"keyword only applies when no ddp_config is given. Set ddp_config.{name}=True instead"
+            )

@@ -78,8 +78,9 @@ def group_into_buckets(
     root: nn.Module, units: Sequence[nn.Module], bucket_size: int | None
 ) -> list[BucketSpec]:
     """Buckets in first-use order of ``root.named_parameters()``: one per (unit, dtype, requires_grad);
-    params outside units share buckets per (dtype, requires_grad), split at ``bucket_size`` elements."""
-    unit_of = _unit_of_params(units)
+    params outside units (or used across a unit boundary) share buckets per (dtype, requires_grad), split
+    at ``bucket_size`` elements."""
+    unit_of = _unit_of_params(root, units)
     groups: dict[tuple[torch.dtype, bool, int | None], list[BucketSpec]] = {}
     ordered: list[BucketSpec] = []
     for name, param in root.named_parameters():
@@ -106,18 +107,16 @@ def group_into_buckets(
     return ordered
 
 
-def _unit_of_params(units: Sequence[nn.Module]) -> dict[nn.Parameter, int]:
-    owner: dict[nn.Parameter, int] = {}
-    names: dict[nn.Parameter, str] = {}
+def _unit_of_params(root: nn.Module, units: Sequence[nn.Module]) -> dict[nn.Parameter, int]:
+    """The unit of every param used only inside one unit. A param a module outside its unit also holds
+    (a head tied to a unit's embedding, a weight shared by two units) belongs to no unit: it goes to a
+    non-unit bucket, which stays gathered for the whole forward and backward, as every user needs."""
+    unit_of_module: dict[int, set[int | None]] = {}
     for unit_id, unit in enumerate(units):
-        for name, param in unit.named_parameters():
-            if param in owner and owner[param] != unit_id:
-                raise ValueError(
-                    f"param {names[param]!r} of FSDP unit #{owner[param]} "
-                    f"({type(units[owner[param]]).__name__}) is also reached from unit #{unit_id} as "
-                    f"{name!r}; a param may belong to one unit only: untie it, or make a module holding "
-                    "both uses the unit"
-                )
-            owner[param] = unit_id
-            names[param] = name
-    return owner
+        for module in unit.modules():
+            unit_of_module.setdefault(id(module), set()).add(unit_id)
+    holders: dict[nn.Parameter, set[int | None]] = {}
+    for module in root.modules():
+        for param in module.parameters(recurse=False):
+            holders.setdefault(param, set()).update(unit_of_module.get(id(module), {None}))
+    return {param: unit_id for param, (unit_id, *more) in holders.items() if unit_id is not None and not more}
