@@ -208,6 +208,7 @@ def full_weights(model: MegatronFSDP) -> dict[str, torch.Tensor]:
     """The compute weights as a forward would see them, gathered whole at once and read from the module
     (independent of ``full_state_dict``, which tests compare with it)."""
     model.all_gather_and_wait_parameters_ready(list(model.module.parameters()), prefetch=False)
+    model._replace_param_with_raw_if_needed()  # the modules hold the optimizer's DTensors between steps
     weights = named_weights(model.module)
     model.synchronize_param_gather()
     return weights

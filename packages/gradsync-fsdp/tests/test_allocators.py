@@ -326,6 +326,7 @@ def slots_by_pass() -> tuple[list[int], list[int], bool]:
     model = trainer.model
     forward: dict[int, int] = {}
     backward: dict[int, int] = {}
+    model._replace_param_with_raw_if_needed()  # the compute params, whose storage moves between slots
     for unit_id, unit in enumerate(model.units):
         first = next(unit.parameters())
         unit.register_forward_pre_hook(lambda *_, u=unit_id, p=first: forward.__setitem__(u, p.data_ptr()))
@@ -381,7 +382,7 @@ def unused_unit_with_double_buffers() -> bool:
     model = MegatronFSDP(SkipsFirstBlock(), shard_index(), config, fsdp_unit_modules=[Block])
     model(local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]).backward()
     model.finish_grad_sync()  # the unused unit's bucket is reduced at the end of backward: zeros
-    unused = [model.sharded_param_of[p] for p in model.module.inner.blocks[0].parameters()]
+    unused = list(model.module.inner.blocks[0].parameters())  # the optimizer's, between steps
     return all(p.grad is None or not p.grad.to_local().any() for p in unused)
 
 

@@ -13,6 +13,7 @@ from fsdp_testkit import (
     STRATEGIES,
     Block,
     TinyTransformer,
+    full_weights,
     global_batch,
     local_microbatches,
     max_relative_difference,
@@ -67,11 +68,7 @@ def train(strategy: str, kind: str) -> dict[str, torch.Tensor]:
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
-    raw = list(model.module.parameters())
-    model.all_gather_and_wait_parameters_ready(raw, prefetch=False)
-    weights = named_weights(model.module)
-    model.synchronize_param_gather()
-    return weights
+    return full_weights(model)
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])

@@ -3,6 +3,7 @@ unit's inputs, and the hooks that fire on the first grad of a module's outputs."
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from enum import Enum, auto
 from typing import Any
@@ -73,6 +74,19 @@ def on_first_output_grad(output: Any, handler: Callable[[], None]) -> None:
     tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
     if tensors:
         torch.autograd.graph.register_multi_grad_hook(tensors, lambda _grads: handler(), mode="any")
+
+
+def weak_method(owner: Any, name: str, *bound: Any) -> Callable[..., Any]:
+    """A hook calling ``owner.<name>(*bound, *hook_args)`` that holds ``owner`` weakly: a param's hooks are
+    not seen by the garbage collector, so a strong reference from them would keep a dropped wrapper (its
+    buffers and groups) alive for good. The hook does nothing once ``owner`` is gone."""
+    ref = weakref.ref(owner)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        target = ref()
+        return None if target is None else getattr(target, name)(*bound, *args, **kwargs)
+
+    return call
 
 
 def replace_module_parameter(module: nn.Module, name: str, new_param: nn.Parameter) -> None:

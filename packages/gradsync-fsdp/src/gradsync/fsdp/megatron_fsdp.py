@@ -2,18 +2,20 @@
 
 Deliberate differences from Megatron-FSDP v1 (see the package README): the caller's config is never
 mutated; gradients are never silently left unreduced (``is_last_microbatch`` defaults to True and
-``finish_grad_sync`` reduces whatever a cycle left pending); ``parameters()`` always yields the optimizer's
-DTensor params while the wrapped module always holds the compute params; ZeRO-1/2 replicas are refreshed
-after every ``install_optimized_model_weights`` (and the first forward after a torch optimizer stepped
-the model's params installs the weights itself if nobody did: :mod:`gradsync.fsdp.step_tracking`);
-``sync()``/``no_sync()`` restore the previous value; ZeRO-3 releases non-unit buckets after every
-backward.
+``finish_grad_sync`` reduces whatever a cycle left pending) nor double counted (accumulating without
+``no_sync()`` reduces again and sums); ``parameters()`` always yields the optimizer's DTensor params;
+ZeRO-1/2 replicas are refreshed after every ``install_optimized_model_weights`` (and the first forward
+after a torch optimizer stepped the model's params installs the weights itself if nobody did:
+:mod:`gradsync.fsdp.step_tracking`); ``sync()``/``no_sync()`` restore the previous value; ZeRO-3 releases
+non-unit buckets after every backward.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from gradsync.buffers import (
     DistributedDataParallelConfig,
@@ -43,11 +46,13 @@ from .hooks import (
     get_state,
     on_first_output_grad,
     set_state,
+    weak_method,
 )
 from .hsdp import optimizer_placements, outer_replication
 from .meta_init import ParamInitFn, materialize, replace_meta_params
 from .mixed_precision import MixedPrecisionPolicy, policy_from_config
 from .optimizer_params import attach_grads, build_optimizer_params
+from .registration import ParamRegistry
 from .step_tracking import OWNER, watch_optimizer_steps
 from .strategy import parse_strategy
 from .support import refuse_contradicting_keywords, refuse_unsupported
@@ -156,7 +161,9 @@ class MegatronFSDP(nn.Module):
             (self._unit_buckets[unit_id] if unit_id is not None else self._non_unit_buckets).append(bucket)
 
         self.param_to_name = {p: n for n, p in named}
-        self._position = {p: (b, i) for b in self.buckets for i, p in enumerate(b.spec.params)}
+        self._position: dict[torch.Tensor, tuple[FlatParamBucket, int]] = {
+            p: (b, i) for b in self.buckets for i, p in enumerate(b.spec.params)
+        }
         self.raw_param = dict(named)
         if meta is not None:
             materialize(module, meta, self._write_param, param_init_fn)
@@ -176,6 +183,8 @@ class MegatronFSDP(nn.Module):
             setattr(dist_p, OWNER, self)
         self._stepped = False  # an optimizer stepped the params since the last install
         watch_optimizer_steps()
+        self._registry = ParamRegistry(module, self.sharded_param_of)
+        self._forwards_awaiting_backward = 0
         for meta_param, placeholder in (meta.params if meta is not None else {}).items():
             self.sharded_param_of[meta_param] = self.sharded_param_of[placeholder]  # fully_shard's optimizer
         dense_factor, _ = gradient_scaling_factors(  # the rule gradsync-ddp follows too
@@ -208,6 +217,7 @@ class MegatronFSDP(nn.Module):
         self._grads_finished = False
         set_state(module, TrainingState.IDLE)
         self._register_hooks()
+        self._replace_param_with_distributed_if_needed()
 
     # --- the optimizer's params ---------------------------------------------------------------------
     def named_parameters(
@@ -223,8 +233,9 @@ class MegatronFSDP(nn.Module):
         runs, so any rank may call it alone."""
         destination: dict[str, Any] = super().state_dict(*args, **kwargs)
         keep_vars = kwargs.get("keep_vars", False)
-        for key, raw in param_keys(self.module, kwargs.get("prefix", "") + "module.").items():
-            dist_p = self.sharded_param_of[raw]
+        for key, param in param_keys(self.module, kwargs.get("prefix", "") + "module.").items():
+            bucket, index = self._locate(param)
+            dist_p = self.sharded_param_of[bucket.spec.params[index]]
             value = dist_p if keep_vars else dist_p.detach()
             first_row = getattr(dist_p, FIRST_ROW, None)
             destination[key] = value if first_row is None else describe_shard(value, first_row)
@@ -236,10 +247,12 @@ class MegatronFSDP(nn.Module):
         """Load params from DTensor shards of the same layout or from whole tensors (each rank copies the
         rows it owns), buffers as usual; then install the weights. No collective runs."""
         params = param_keys(self.module)
-        for key, raw in params.items():
+        for key, param in params.items():
             if key in state_dict:
-                bucket, index = self._locate(raw)
-                load_param(key, bucket, index, self.sharded_param_of[raw], state_dict[key])
+                bucket, index = self._locate(param)
+                load_param(
+                    key, bucket, index, self.sharded_param_of[bucket.spec.params[index]], state_dict[key]
+                )
         rest = {k: v for k, v in state_dict.items() if k not in params}
         result = super().load_state_dict(rest, strict=False, assign=assign)
         result.missing_keys[:] = [k for k in result.missing_keys if k not in params or k not in state_dict]
@@ -256,7 +269,8 @@ class MegatronFSDP(nn.Module):
         aliases included), for inference or export. A collective: every rank of the shard group calls it;
         with ``rank0_only`` only the group's rank 0 gets the tensors, the others an empty dict."""
         keep = not rank0_only or self.dist_index.get_dp_group().rank() == 0
-        state = self.module.state_dict(keep_vars=True)
+        with self._registry.compute_shown():
+            state = self.module.state_dict(keep_vars=True)
         names_of: dict[torch.Tensor, list[str]] = {}
         copied: dict[str, Any] = {}
         for name, value in state.items():
@@ -307,23 +321,40 @@ class MegatronFSDP(nn.Module):
 
     # --- forward -----------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self._stepped:
-            self.install_optimized_model_weights()
-        return self.module(*inputs, **kwargs)
+        return self.module(*inputs, **kwargs)  # the root hooks install, show the compute params, gather
+
+    def _replace_param_with_raw_if_needed(self) -> None:
+        """The wrapped modules hold the compute params (from the root forward to the end of backward)."""
+        self._registry.show_compute()
+
+    def _replace_param_with_distributed_if_needed(self) -> None:
+        """The wrapped modules hold the optimizer's DTensor params, as a parent module or
+        ``torch.compile``'s wrapper then sees them (:mod:`gradsync.fsdp.registration`)."""
+        self._registry.show_optimizer()
 
     def _register_hooks(self) -> None:
+        """Module hooks live in the modules' hook dicts, which the garbage collector sees, so the cycle
+        wrapper -> module -> hook -> wrapper is collected once nothing else holds either. A param's hooks
+        are invisible to it: those hold the wrapper weakly (:func:`~gradsync.fsdp.hooks.weak_method`) and
+        are removed, with the params' ``main_grad`` views, when the wrapper goes."""
         self.module.register_forward_pre_hook(self._root_pre_forward, prepend=True)
         self.module.register_forward_hook(self._root_post_forward)
         for unit_id, unit in enumerate(self.units):
             unit.register_forward_pre_hook(
-                lambda m, a, k, u=unit_id: self._unit_pre_forward(u, a, k), prepend=True, with_kwargs=True
+                functools.partial(self._unit_pre_forward, unit_id), prepend=True, with_kwargs=True
             )
-            unit.register_forward_hook(lambda m, a, out, u=unit_id: self._unit_post_forward(u, out))
-        for param, name in self.param_to_name.items():
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._make_grad_hook(param, name))  # type: ignore[no-untyped-call]
+            unit.register_forward_hook(functools.partial(self._unit_post_forward, unit_id))
+        grad_hooks = [
+            param.register_post_accumulate_grad_hook(weak_method(self, "_on_grad", name))  # type: ignore[no-untyped-call]
+            for param, name in self.param_to_name.items()
+            if param.requires_grad
+        ]
+        weakref.finalize(self, _detach_from_params, grad_hooks, list(self.param_to_name))
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self._stepped:
+            self.install_optimized_model_weights()
+        self._replace_param_with_raw_if_needed()
         if self.sharding.name == "no_shard":
             return
         for bucket in self._non_unit_buckets:
@@ -334,33 +365,35 @@ class MegatronFSDP(nn.Module):
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled():
+            self._forwards_awaiting_backward += 1
             on_first_output_grad(output, self._root_pre_backward)
-        elif self.sharding.shard_params:  # no backward follows: drop what the forward gathered
+            return
+        if self.sharding.shard_params:  # no backward follows: drop what the forward gathered
             for bucket in self.buckets:
                 bucket.release()
+        if not self._forwards_awaiting_backward:
+            self._replace_param_with_distributed_if_needed()
 
     def _unit_pre_forward(
-        self, unit_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, unit_id: int, unit: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        unit = self.units[unit_id]
         recomputing = get_state(unit) is TrainingState.PRE_BACKWARD
         if not recomputing:
             set_state(unit, TrainingState.FORWARD)
         self._gather_unit(unit_id, prefetch=None if recomputing else unit_id + 1)
         if self.sharding.shard_params:
-            return attach_post_backward(args, kwargs, lambda: self._unit_post_backward(unit_id))
+            return attach_post_backward(args, kwargs, functools.partial(self._unit_post_backward, unit_id))
         return None
 
-    def _unit_post_forward(self, unit_id: int, output: Any) -> None:
+    def _unit_post_forward(self, unit_id: int, unit: nn.Module, args: Any, output: Any) -> None:
         """ZeRO-3 releases the unit, except during recomputation (its backward follows at once) and for
         the last unit when a backward will follow: backward starts with it."""
-        unit = self.units[unit_id]
         recomputing = get_state(unit) is TrainingState.PRE_BACKWARD
         needed_next = unit_id == len(self.units) - 1 and torch.is_grad_enabled()
         if self.sharding.shard_params and not recomputing and not needed_next:
             for bucket in self._unit_buckets[unit_id]:
                 bucket.release()
-        on_first_output_grad(output, lambda: self._unit_pre_backward(unit_id))
+        on_first_output_grad(output, functools.partial(self._unit_pre_backward, unit_id))
 
     # --- backward ----------------------------------------------------------------------------------
     def _root_pre_backward(self) -> None:
@@ -385,28 +418,26 @@ class MegatronFSDP(nn.Module):
         for bucket in self._unit_buckets[unit_id]:
             bucket.release()
 
-    def _make_grad_hook(self, param: nn.Parameter, name: str) -> Any:
+    def _on_grad(self, name: str, param: torch.Tensor) -> None:
+        """``param``'s grad of this backward is complete: move it into its bucket, and launch the
+        bucket's reduction once every param of the bucket has its grad."""
+        grad = param.grad
+        if grad is None:
+            return
         bucket, index = self._locate(param)
-
-        def hook(p: torch.Tensor) -> None:
-            grad = p.grad
-            if grad is None:
-                return
-            if bucket.bucket_id in self._reduced_this_cycle:
-                self._reopen(bucket)
-            if self.report_nan_in_param_grad and not bool(torch.isfinite(grad).all()):
-                bucket.non_finite_params.append(name)
-            if not bucket.can_take_grads():
-                self._wait_reductions_until(bucket.can_take_grads)
-            with torch.no_grad():
-                bucket.accumulate(index, grad)
-            p.grad = None
-            ready = self._ready[bucket.bucket_id]
-            ready.add(index)
-            if len(ready) == len(bucket.spec.params):
-                self._bucket_complete(bucket)
-
-        return hook
+        if bucket.bucket_id in self._reduced_this_cycle:
+            self._reopen(bucket)
+        if self.report_nan_in_param_grad and not bool(torch.isfinite(grad).all()):
+            bucket.non_finite_params.append(name)
+        if not bucket.can_take_grads():
+            self._wait_reductions_until(bucket.can_take_grads)
+        with torch.no_grad():
+            bucket.accumulate(index, grad)
+        param.grad = None
+        ready = self._ready[bucket.bucket_id]
+        ready.add(index)
+        if len(ready) == len(bucket.spec.params):
+            self._bucket_complete(bucket)
 
     def _reopen(self, bucket: FlatParamBucket) -> None:
         """Accumulation after the cycle's final reduction (every microbatch synced, as torch DDP and FSDP2
@@ -416,11 +447,12 @@ class MegatronFSDP(nn.Module):
         bucket.set_aside_reduced()
         self._reduced_this_cycle.discard(bucket.bucket_id)
 
-    def _locate(self, param: nn.Parameter) -> tuple[FlatParamBucket, int]:
-        return self._position[param]
+    def _locate(self, param: torch.Tensor) -> tuple[FlatParamBucket, int]:
+        """The bucket and index of a compute param, or of its optimizer DTensor."""
+        return self._position[self._registry.compute_param(param)]
 
     def _write_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
-        bucket, index = self._locate(param)
+        bucket, index = self._position[param]
         bucket.write_param(index, value)
 
     def _reduces_now(self) -> bool:
@@ -489,6 +521,9 @@ class MegatronFSDP(nn.Module):
         set_state(self.module, TrainingState.IDLE)
         self._in_backward = False
         self.microbatch_count += 1
+        self._forwards_awaiting_backward = max(0, self._forwards_awaiting_backward - 1)
+        if not self._forwards_awaiting_backward:  # no recomputation can need the compute params now
+            self._replace_param_with_distributed_if_needed()
         if self.model_auto_sync:
             self.finish_grad_sync()
 
@@ -567,12 +602,14 @@ class MegatronFSDP(nn.Module):
                 bucket.wait_gather()
 
     def synchronize_param_gather(self) -> None:
-        """Finish every gather in flight; ZeRO-3 then drops all gathered weights."""
+        """Finish every gather in flight; ZeRO-3 then drops all gathered weights. The modules hold the
+        optimizer's params after it."""
         for bucket in self.buckets:
             if bucket.status is BucketStatus.COMMUNICATING:
                 bucket.wait_gather()
             if self.sharding.shard_params:
                 bucket.release()
+        self._replace_param_with_distributed_if_needed()
 
     # --- the step ----------------------------------------------------------------------------------
     def start_grad_sync(self, *unused: Any) -> None:
@@ -607,6 +644,8 @@ class MegatronFSDP(nn.Module):
         self.attach_grad_to_optimizer_state()
         self.microbatch_count = 0
         self._grads_finished = True
+        self._forwards_awaiting_backward = 0  # the cycle is over: a forward never backpropagated is dropped
+        self._replace_param_with_distributed_if_needed()
 
     def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
         """Multiply every grad by ``scaling_factor``: the buffers, and attached grads that are copies."""
@@ -689,6 +728,15 @@ class MegatronFSDP(nn.Module):
     def set_model_auto_sync(self, sync_model: bool = True) -> None:
         """With auto-sync every backward reduces and ends with ``finish_grad_sync()``."""
         self.model_auto_sync = sync_model
+
+
+def _detach_from_params(handles: list[RemovableHandle], params: list[nn.Parameter]) -> None:
+    """The wrapper is gone: its params lose their grad hooks and their views into its grad buffers."""
+    for handle in handles:
+        handle.remove()
+    for param in params:
+        if hasattr(param, "main_grad"):
+            del param.main_grad
 
 
 def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:

@@ -34,6 +34,7 @@ def _mark_stepped_models(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             model: Steppable | None = getattr(param, OWNER, None)
-            if model is not None and id(model) not in marked:
-                marked.add(id(model))
-                model.mark_stepped()
+            if model is None or id(model) in marked:
+                continue
+            marked.add(id(model))
+            model.mark_stepped()

@@ -17,6 +17,27 @@ from .backend import get_backend_capabilities
 
 MeshKey = tuple[tuple[str, ...], bool]
 
+_WORLD_MESHES: dict[tuple[str, int, int, int], tuple[object, DeviceMesh, dist.ProcessGroup | None]] = {}
+"""(device type, sizes) -> (the default group it was built over, the mesh, its flattened HSDP group)."""
+
+
+def _world_mesh(
+    device_type: str, dp_outer: int, dp_shard: int, tp: int
+) -> tuple[DeviceMesh, dist.ProcessGroup | None]:
+    """The ``(dp_outer, dp_shard, tp)`` mesh over the world, built once per default group: a new default
+    group (after ``destroy_process_group``) builds anew."""
+    default = dist.distributed_c10d._get_default_group()
+    key = (device_type, dp_outer, dp_shard, tp)
+    cached = _WORLD_MESHES.get(key)
+    if cached is not None and cached[0] is default:
+        return cached[1], cached[2]
+    mesh = init_device_mesh(
+        device_type, (dp_outer, dp_shard, tp), mesh_dim_names=("dp_outer", "dp_shard", "tp")
+    )
+    hybrid_group = mesh["dp_outer", "dp_shard"]._flatten("hsdp").get_group() if dp_outer > 1 else None
+    _WORLD_MESHES[key] = (default, mesh, hybrid_group)
+    return mesh, hybrid_group
+
 
 class FSDPDistributedIndex:
     """Groups and sub-meshes for Megatron-FSDP, keyed by dimension names.
@@ -90,7 +111,9 @@ class FSDPDistributedIndex:
     ) -> FSDPDistributedIndex:
         """Build a ``(dp_outer, dp_shard, tp)`` mesh over the world (outer-major) and index it.
 
-        ``dp_outer > 1`` turns on HSDP. The device type follows the default group's backend.
+        ``dp_outer > 1`` turns on HSDP. The device type follows the default group's backend. The mesh and
+        its groups are built once per sizes and device type over the current default group and reused by
+        later calls (a process wrapping many models would otherwise pile up groups and their threads).
         """
         world = dist.get_world_size()
         if dp_outer * dp_shard * tp != world:
@@ -100,11 +123,8 @@ class FSDPDistributedIndex:
             )
         if device_type is None:
             device_type = get_backend_capabilities().device_type
-        mesh = init_device_mesh(
-            device_type, (dp_outer, dp_shard, tp), mesh_dim_names=("dp_outer", "dp_shard", "tp")
-        )
+        mesh, hybrid_group = _world_mesh(device_type, dp_outer, dp_shard, tp)
         hybrid = dp_outer > 1
-        hybrid_group = mesh["dp_outer", "dp_shard"]._flatten("hsdp").get_group() if hybrid else None
         return cls(
             mesh,
             dp_shard_dim="dp_shard",

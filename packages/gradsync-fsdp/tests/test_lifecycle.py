@@ -1,0 +1,60 @@
+"""A wrapper's life: dropping a MegatronFSDP (with its module and optimizer) frees it and its buffers, and a
+param the user keeps loses the wrapper's hooks; wrapping many models does not pile up process groups or
+their threads."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import weakref
+
+import pytest
+import torch.distributed as dist
+from fsdp_testkit import STRATEGIES, Block, TinyTransformer, local_microbatches, make_optimizer
+
+from gradsync.fsdp import fully_shard, fully_shard_model
+from gradsync.groups.testing import run_distributed
+
+
+def dropped_wrapper_is_collected(strategy: str) -> tuple[bool, bool, bool]:
+    module = TinyTransformer()
+    model, optimizer = fully_shard(
+        module, make_optimizer(module.parameters()), fsdp_unit_modules=[Block], zero_dp_strategy=strategy
+    )
+    model(local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    kept = model.raw_param["blocks.0.up.weight"]  # a param the user still holds loses its grad hooks
+    wrapper = weakref.ref(model)
+    grads = [weakref.ref(bucket.grad) for bucket in model.buckets if bucket.grad is not None]
+    del model, optimizer, module
+    gc.collect()
+    hooks = kept._post_accumulate_grad_hooks
+    return (
+        wrapper() is None,
+        all(grad() is None for grad in grads),
+        not hooks and not hasattr(kept, "main_grad"),
+    )
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_dropped_wrapper_is_collected_with_its_buffers(strategy: str) -> None:
+    assert run_distributed(dropped_wrapper_is_collected, 2, args=(strategy,)) == [(True, True, True)] * 2
+
+
+def threads_after_wrapping(models: int) -> int:
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    fully_shard_model(TinyTransformer())  # the first wrap may build the shared mesh
+    before = threads()
+    for _ in range(models):
+        fully_shard_model(TinyTransformer(), fsdp_unit_modules=[Block])
+    gc.collect()
+    return threads() - before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
+def test_wrapping_many_models_adds_no_groups_or_threads() -> None:
+    assert all(grown <= 1 for grown in run_distributed(threads_after_wrapping, 2, args=(6,)))
