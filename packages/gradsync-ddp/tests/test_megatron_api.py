@@ -49,6 +49,15 @@ TABLE: list[tuple[Any, list[tuple[str, Any]], dict[str, str]]] = [
     (DDP.broadcast_params, [], {}),
     (DDP.offload_grad_buffers, [("synchronize", True), ("empty_cache", True)], {}),
     (DDP.restore_grad_buffers, [("synchronize", True)], {}),
+    (DDP._start_bucket_group_param_sync, [("bucket_group", R), ("force_sync", R)], {}),
+    (DistributedOptimizer.step, [], {"closure": "torch.optim.Optimizer's argument; refused when given"}),
+    (DistributedOptimizer.zero_grad, [("set_to_none", True)], {}),
+    (DistributedOptimizer.scale_loss, [("loss", R)], {}),
+    (DistributedOptimizer.get_loss_scale, [], {}),
+    (DistributedOptimizer.reload_model_params, [("state_dict", None)], {}),
+    (DistributedOptimizer.prepare_grads, [], {}),
+    (DistributedOptimizer.step_with_ready_grads, [], {}),
+    (DistributedOptimizer.count_zeros, [], {}),
     (
         DistributedOptimizer.compute_full_param_layout,
         [

@@ -73,14 +73,15 @@ def most_reductions_in_flight(units: int | None) -> int:
     size = None if units is None else units * unit_elements()
     model = wrap("optim_grads", layers=LAYERS, suggested_communication_unit_size=size)
     most = 0
-    launch = model._launch_reduce
+    reductions = model._reductions
+    launch = reductions.launch
 
     def counted(bucket: Any) -> None:
         nonlocal most
         launch(bucket)
-        most = max(most, len(model._in_flight))
+        most = max(most, len(reductions.in_flight))
 
-    model._launch_reduce = counted  # type: ignore[method-assign]
+    reductions.launch = counted  # type: ignore[method-assign]
     model(local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]).backward()
     with torch.no_grad():
         model.finish_grad_sync()

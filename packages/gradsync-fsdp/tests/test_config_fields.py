@@ -5,6 +5,7 @@ compute weights, ``fsdp_all_gather_in_start_param_sync`` decides whether start_p
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -110,3 +111,31 @@ def refusals() -> None:
 
 def test_contradictions_and_unbuilt_versions_are_refused_by_name() -> None:
     run_distributed(refusals, 2)
+
+
+@dataclasses.dataclass
+class OlderMegatronConfig:
+    """Shaped like Megatron-Core 0.19.2's config: no ``megatron_fsdp_version``, a field gradsync lacks."""
+
+    data_parallel_sharding_strategy: str = "no_shard"
+    use_megatron_fsdp: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    grad_reduce_in_fp32: bool = False
+    fp8_recipe_of_the_future: str | None = None  # not a gradsync field: fine at its default
+
+
+def megatron_config_objects() -> tuple[str, str]:
+    older = OlderMegatronConfig("optim_grads", True, True, True, grad_reduce_in_fp32=True)
+    model = MegatronFSDP(TinyTransformer(), shard_index(), older)  # type: ignore[arg-type]
+    assert isinstance(model.ddp_config, DistributedDataParallelConfig)
+    assert model.ddp_config.megatron_fsdp_version == 1
+    assert model.mp_policy.main_grads_dtype == torch.float32
+    with pytest.raises(ValueError, match="fp8_recipe_of_the_future='x'") as caught:
+        MegatronFSDP(TinyTransformer(), shard_index(), OlderMegatronConfig(fp8_recipe_of_the_future="x"))  # type: ignore[arg-type]
+    return model.data_parallel_sharding_strategy, str(caught.value)
+
+
+def test_megatron_core_config_objects_are_accepted() -> None:
+    for strategy, _ in run_distributed(megatron_config_objects, 2):
+        assert strategy == "optim_grads"

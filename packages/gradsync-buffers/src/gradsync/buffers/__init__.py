@@ -18,6 +18,7 @@ from .field_support import (
     non_default_values,
     refuse_fields_ddp_cannot_honour,
 )
+from .foreign_config import as_ddp_config
 from .grad_checks import LargeGradDetector
 from .layout import (
     BufferKey,
@@ -69,6 +70,7 @@ __all__ = [
     "ShardParamRange",
     "__version__",
     "active_telemetry",
+    "as_ddp_config",
     "bucket_end_divisor",
     "build_grad_buffers",
     "check_params_match_across_ranks",

@@ -22,6 +22,7 @@ from gradsync.groups import get_backend_capabilities
 from . import collectives
 from .buffer import ParamAndGradBucket, ParamAndGradBuffer
 from .config import DistributedDataParallelConfig
+from .foreign_config import as_ddp_config
 from .grad_checks import LargeGradDetector, check_grads
 from .stats import CollectiveRecord, CommStats
 
@@ -39,7 +40,7 @@ class ParamAndGradBucketGroup:
         inter_distributed_optimizer_instance_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.buckets = buckets
-        self.ddp_config = ddp_config
+        self.ddp_config = ddp_config = as_ddp_config(ddp_config)
         self.collective_group = collective_group
         self.collective_group_size = collective_group_size
         self.collective_group_rank = collective_group.rank()
@@ -301,6 +302,12 @@ class ParamAndGradBucketGroup:
         else:
             launched.wait()
         self.param_gather_dispatched = True
+
+    def _post_param_sync(self) -> None:
+        """Megatron's hook for work after a group's param all-gather (casting fp8 / MXFP8 params from the
+        gathered buffer). gradsync gathers into ``param.data`` views and refuses quantized params, so
+        there is nothing to do; Megatron's ``DistributedDataParallel._start_bucket_group_param_sync``
+        (which Megatron's DistributedOptimizer drives) calls it after a synchronous gather."""
 
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
         """Wait for this group's gather, then start the next group's so it overlaps with compute."""

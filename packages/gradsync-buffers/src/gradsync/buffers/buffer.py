@@ -18,6 +18,7 @@ from torch.nn import Parameter
 from gradsync.groups import get_backend_capabilities
 
 from .config import DistributedDataParallelConfig
+from .foreign_config import as_ddp_config
 from .layout import PerBufferParamLayout, compute_param_layout
 
 
@@ -77,7 +78,7 @@ class ParamAndGradBuffer:
         param_layout: PerBufferParamLayout | None = None,
         device: torch.device | None = None,
     ) -> None:
-        self.ddp_config = ddp_config
+        self.ddp_config = ddp_config = as_ddp_config(ddp_config)
         self.params = [p for p, _ in params_with_names]
         self.param_to_name = {p: name for p, name in params_with_names}
         if len(self.param_to_name) != len(self.params):
@@ -106,6 +107,9 @@ class ParamAndGradBuffer:
                 "layout with the buffer's group size"
             )
         self.layout = param_layout
+        self.num_optimizer_shards = param_layout.num_optimizer_shards
+        """The DP size the layout was padded for (None when unpadded): Megatron's DistributedOptimizer
+        checks it against the buffer's group before sharding."""
         self.param_index_map = {self.params[i]: r for i, r in param_layout.param_index_map.items()}
         self.bucket_indices = list(param_layout.bucket_indices)
         self.numel = param_layout.numel
@@ -222,6 +226,7 @@ class _ParamAndGradBuffer(ParamAndGradBuffer):
         pg_collection: object | None = None,
         param_layout: PerBufferParamLayout | None = None,
     ) -> None:
+        ddp_config = as_ddp_config(ddp_config)
         if nccl_ub != ddp_config.nccl_ub:
             raise ValueError(
                 f"_ParamAndGradBuffer: nccl_ub={nccl_ub} but ddp_config.nccl_ub={ddp_config.nccl_ub}; pass "

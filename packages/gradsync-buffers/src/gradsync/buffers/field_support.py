@@ -8,8 +8,10 @@ accepted and silently ignored. The buffers README has the table.
 from __future__ import annotations
 
 from dataclasses import MISSING, fields
+from typing import Any
 
 from .config import DistributedDataParallelConfig
+from .foreign_config import as_ddp_config
 
 FSDP_ONLY_FIELDS = (
     "megatron_fsdp_version",
@@ -44,19 +46,22 @@ NOT_IMPLEMENTED_FOR_DDP = {
 """Fields the reference's DDP honours that gradsync's DDP path does not (yet)."""
 
 
-def non_default_fields(config: DistributedDataParallelConfig, names: tuple[str, ...]) -> list[str]:
-    """Those of ``names`` whose value differs from the field's default."""
-    defaults = {f.name: f.default for f in fields(config) if f.default is not MISSING}
-    return [name for name in names if getattr(config, name) != defaults[name]]
+def non_default_fields(config: Any, names: tuple[str, ...]) -> list[str]:
+    """Those of ``names`` whose value differs from gradsync's default for the field. A config object that
+    lacks a field (Megatron-Core's of an older version) has it at its default."""
+    defaults = {f.name: f.default for f in fields(DistributedDataParallelConfig) if f.default is not MISSING}
+    return [name for name in names if getattr(config, name, defaults[name]) != defaults[name]]
 
 
-def non_default_values(config: DistributedDataParallelConfig, names: tuple[str, ...]) -> str:
+def non_default_values(config: Any, names: tuple[str, ...]) -> str:
     """``"a=1, b=True"`` for those of ``names`` set away from their defaults; empty when none is."""
     return ", ".join(f"{name}={getattr(config, name)!r}" for name in non_default_fields(config, names))
 
 
-def refuse_fields_ddp_cannot_honour(config: DistributedDataParallelConfig, wrapper: str) -> None:
-    """Raise, naming each field, when ``config`` asks the DDP path for something it would ignore."""
+def refuse_fields_ddp_cannot_honour(config: Any, wrapper: str) -> None:
+    """Raise, naming each field, when ``config`` asks the DDP path for something it would ignore.
+    ``config`` may be any config object :func:`as_ddp_config` accepts."""
+    config = as_ddp_config(config)
     if config.use_megatron_fsdp:
         raise ValueError(
             f"{wrapper}: use_megatron_fsdp=True selects Megatron-FSDP, which is gradsync-fsdp's "

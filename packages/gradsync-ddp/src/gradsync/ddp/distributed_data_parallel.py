@@ -22,6 +22,7 @@ from gradsync.buffers import (
     PARAM_READY_CALLBACK_ATTR,
     DistributedDataParallelConfig,
     FullParamLayout,
+    as_ddp_config,
     build_grad_buffers,
     check_params_match_across_ranks,
     is_expert_parallel,
@@ -97,6 +98,7 @@ class DistributedDataParallel(_BaseDataParallel):
         unused_parameters: Collection[str] = (),
     ) -> None:
         super().__init__(config, module)
+        ddp_config = as_ddp_config(ddp_config)  # Megatron-Core's config object of any recent version, too
         refuse_fields_ddp_cannot_honour(ddp_config, type(self).__name__)
         self.ddp_config = ddp_config
         self.pg_collection = resolve_process_groups(pg_collection, config)
@@ -301,6 +303,14 @@ class DistributedDataParallel(_BaseDataParallel):
         if not force_sync and self.overlap_param_gather_with_optimizer_step and not force_dispatch:
             return
         self.grad_buffers.start_param_sync(force_sync)
+
+    def _start_bucket_group_param_sync(self, bucket_group: ParamAndGradBucketGroup, force_sync: bool) -> None:
+        """Gather one bucket group's params, then run its post-gather work when the gather was synchronous
+        (Megatron's hook, which its DistributedOptimizer calls for the groups it owns)."""
+        bucket_group.start_param_sync(force_sync=force_sync)
+        if self.ddp_config.overlap_param_gather:
+            return
+        bucket_group._post_param_sync()
 
     def reset_param_sync_dispatch_state(self) -> None:
         """Forget that param gathers were dispatched (the optimizer changed the shards again), so the next

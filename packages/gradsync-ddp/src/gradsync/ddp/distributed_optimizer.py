@@ -11,13 +11,12 @@ param whole: the fp32-main-params recipe for bf16 models that use all-reduce.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import get_total_norm
 
 from gradsync.buffers import (
     DistributedDataParallelConfig,
@@ -28,8 +27,10 @@ from gradsync.buffers import (
 
 from .dcp_state import dcp_state, load_dcp_state
 from .distributed_data_parallel import DistributedDataParallel
-from .main_shards import ShardPiece, build_bucket_shards
+from .grad_norm import clip_coefficient, global_grad_norm
+from .main_shards import ShardPiece, build_bucket_shards, read_main_params_from_state_dict
 from .optimizer_state import gather_state, load_state, merge_shards, shard_state
+from .training_loop import MegatronTrainingLoop
 
 
 def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -42,7 +43,7 @@ def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -
     return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(MegatronTrainingLoop, torch.optim.Optimizer):  # type: ignore[misc]
     """Mixed-precision optimizer over DDP-wrapped models: fp32 main params, sharded or not.
 
     With ``use_distributed_optimizer=True`` it holds (and steps) only this rank's shard of every bucket,
@@ -54,12 +55,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
     hyper-parameters are reused for an optimizer over the fp32 main params, and it is never stepped itself.
     This object is a ``torch.optim.Optimizer`` whose ``param_groups`` and ``state`` are that inner
     optimizer's own, so LR schedulers and ``param_groups`` edits act on what is stepped.
+
+    ``config`` (optional) is an OptimizerConfig-shaped object, Megatron's own included: ``step()`` then
+    clips with its ``clip_grad``, counts zeros with ``log_num_zeros_in_grad`` and scales the loss as its
+    ``loss_scale`` / ``fp16`` ask (see :mod:`gradsync.ddp.training_loop`). ``step()`` returns Megatron's
+    ``(update_successful, grad_norm, num_zeros_in_grad)`` either way.
     """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         model: DistributedDataParallel | Sequence[DistributedDataParallel],
+        config: Any = None,
     ) -> None:
         self.model_chunks = [model] if isinstance(model, DistributedDataParallel) else list(model)
         sharding = {chunk.ddp_config.use_distributed_optimizer for chunk in self.model_chunks}
@@ -107,6 +114,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if p.main.grad is not None and p.main.numel() and self._counted_in_norm(p)
         ]
         self._model_versions = self._current_model_versions()
+        self._init_training_loop(config)
         self._built = True
 
     @staticmethod
@@ -150,12 +158,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _current_model_versions(self) -> list[int]:
         return [chunk.model_params_version for chunk in self.model_chunks]
 
-    def reload_model_params(self) -> None:
+    def reload_model_params(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Copy the model's current weights into the fp32 main params (after ``model.load_state_dict``
-        or any other change of the weights made after this optimizer was built)."""
+        or any other change of the weights made after this optimizer was built).
+
+        With ``state_dict`` (a model state dict keyed by param name, as Megatron's argument), the main
+        params are read from its tensors instead, so fp32 checkpoint values survive bf16 weights; the
+        model's weights are then written from them."""
         with torch.no_grad():
             for shard in self.shards:
                 shard.read_weights()
+            if state_dict is not None:
+                read_main_params_from_state_dict(self.pieces, state_dict)
+                self._write_shards_into_params()
+                self._gather_params()
         self._model_versions = self._current_model_versions()
 
     def _refuse_stale_main_params(self) -> None:
@@ -210,45 +226,48 @@ class DistributedOptimizer(torch.optim.Optimizer):
             shard.load_grads()
         self._grads_loaded = True
 
-    def _total_norm(self, norm_type: float) -> torch.Tensor:
-        """The global grad norm as a tensor on the grads' device: one all-reduce, no host sync."""
+    def _total_norm(self, norm_type: float) -> float:
+        """The global grad norm, in Megatron's order (``get_grad_norm_fp32``): this rank's
+        ``norm ** norm_type`` in fp32, summed over the norm group by one all-reduce, read back once and
+        rooted in Python double (the max for the inf-norm)."""
         self._ensure_grads_loaded()
-        local = torch.zeros((), dtype=torch.float32, device=self._device)
-        if self._norm_grads:
-            local = local + get_total_norm(self._norm_grads, norm_type).to(self._device)
-        if norm_type == float("inf"):
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.norm_group)
-            return local
-        powered = local.pow(norm_type)
-        dist.all_reduce(powered, group=self.norm_group)
-        return powered.pow(1.0 / norm_type)
+        return global_grad_norm(self._norm_grads, norm_type, self.norm_group, self._device)
 
     def get_grad_norm(self, norm_type: float = 2.0) -> float:
         """The global grad norm over every owned main grad, across DP and the model-parallel groups."""
-        return float(self._total_norm(norm_type).item())
+        return self._total_norm(norm_type)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale main grads so the global norm is at most ``max_norm``; returns the norm before.
 
-        ``max_norm <= 0`` turns clipping off (Megatron's ``clip_grad=0``): only the norm is computed.
+        The coefficient is Megatron's: ``max_norm / (norm + 1e-6)`` in Python double, applied only when
+        below 1. ``max_norm <= 0`` turns clipping off (Megatron's ``clip_grad=0``): only the norm is
+        computed.
         """
         total = self._total_norm(norm_type)
         if max_norm > 0:
-            scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip_grads_with_norm_ rule
-            for shard in self.shards:
-                shard.grad.mul_(scale.to(shard.grad.device))
-        return float(total.item())
+            coefficient = clip_coefficient(max_norm, total)
+            if coefficient < 1.0:
+                for shard in self.shards:
+                    shard.grad.mul_(coefficient)
+        return total
 
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        """Step the main params, write them into the model's weights, and gather the params."""
-        if closure is not None:
-            raise ValueError("DistributedOptimizer.step does not take a closure")
+    def _main_grads(self) -> list[torch.Tensor]:
+        return [shard.grad for shard in self.shards]
+
+    def _counted_grads(self) -> list[torch.Tensor]:
+        return self._norm_grads
+
+    def step_with_ready_grads(self) -> bool:
+        """Step the main params on the grads read, write them into the model's weights and gather the
+        params (the last part of :meth:`step`, Megatron's name). Returns True."""
         self._refuse_stale_main_params()
         self._ensure_grads_loaded()
         self.optimizer.step()
         self._grads_loaded = False  # the next step reads fresh grads, even without zero_grad()
         self._write_shards_into_params()
         self._gather_params()
+        return True
 
     # --- checkpoints -----------------------------------------------------------------------------
 
@@ -261,16 +280,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         of each expert-data-parallel group, which saves its own part too. Without sharding every rank
         holds everything and no communication happens.
         """
-        return gather_state(self)
+        state = gather_state(self)
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's pieces only (no communication); save one file per rank."""
+    def sharded_state_dict(
+        self, model_sharded_state_dict: Any = None, is_loading: bool = False, metadata: Any = None
+    ) -> dict[str, Any]:
+        """This rank's pieces only (no communication); save one file per rank and load them with
+        :meth:`load_sharded_state_dict`. Megatron's arguments are accepted for its call shape and not
+        used: gradsync's pieces are keyed by param name, not by the model's sharded tensors (for
+        ``torch.distributed.checkpoint`` use :meth:`dcp_state_dict`)."""
         return shard_state(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a gathered state dict (from any DP size) on every rank; the loaded main params become the
         model's weights (on every rank, gathered now in sharded mode)."""
-        load_state(self, state_dict)
+        scaler_state = state_dict.get("grad_scaler")
+        if scaler_state is not None and self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(scaler_state)
+        load_state(self, {k: v for k, v in state_dict.items() if k != "grad_scaler"})
         self._adopt_loaded_main_params()
 
     def dcp_state_dict(self) -> dict[str, Any]:

@@ -109,3 +109,18 @@ def build_bucket_shards(
             shard.attach_grads()
             shards.append(shard)
     return shards
+
+
+def read_main_params_from_state_dict(pieces: list[ShardPiece], state_dict: dict[str, torch.Tensor]) -> None:
+    """Set every piece's main param from a model state dict keyed by param name (a ``module.`` prefix,
+    as Megatron's wrappers write it, is accepted too)."""
+    missing = []
+    for piece in pieces:
+        value = state_dict.get(piece.name, state_dict.get(f"module.{piece.name}"))
+        if value is None:
+            missing.append(piece.name)
+            continue
+        lo, hi = piece.param_range
+        piece.main.detach().copy_(value.detach().reshape(-1)[lo:hi])
+    if missing:
+        raise KeyError(f"reload_model_params: the state dict has no entry for {sorted(set(missing))}")

@@ -16,6 +16,14 @@ from .layout import BucketLayout, compute_bucket_layout, row_alignment
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
 from .strategy import ShardingStrategy
+from .uneven_dtensor import (
+    gather_uneven_dtensor_to_full_tensor,
+    preprocess_state_dict_for_uneven_dtensor,
+    redistribute_uneven_dtensor_to_replicated,
+    split_dtensor,
+    uneven_dtensor_to_full_tensor,
+    validate_uneven_dtensor,
+)
 from .version import __version__
 
 __all__ = [
@@ -35,5 +43,11 @@ __all__ = [
     "fully_shard",
     "fully_shard_model",
     "fully_shard_optimizer",
+    "gather_uneven_dtensor_to_full_tensor",
+    "preprocess_state_dict_for_uneven_dtensor",
+    "redistribute_uneven_dtensor_to_replicated",
     "row_alignment",
+    "split_dtensor",
+    "uneven_dtensor_to_full_tensor",
+    "validate_uneven_dtensor",
 ]

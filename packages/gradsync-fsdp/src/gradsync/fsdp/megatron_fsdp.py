@@ -27,10 +27,10 @@ from torch.utils.hooks import RemovableHandle
 
 from gradsync.buffers import (
     DistributedDataParallelConfig,
+    as_ddp_config,
     check_params_match_across_ranks,
     gradient_scaling_factors,
     telemetry,
-    watchdog,
 )
 from gradsync.groups import FSDPDistributedIndex
 
@@ -53,6 +53,7 @@ from .meta_init import ParamInitFn, materialize, replace_meta_params
 from .mixed_precision import MixedPrecisionPolicy, policy_from_config
 from .optimizer_params import attach_grads, build_optimizer_params
 from .registration import ParamRegistry
+from .schedule import GatherSchedule, ReduceSchedule
 from .step_tracking import OWNER, watch_optimizer_steps
 from .strategy import parse_strategy
 from .support import refuse_contradicting_keywords, refuse_unsupported
@@ -75,6 +76,9 @@ class MegatronFSDP(nn.Module):
     ``parameters()`` / ``named_parameters()`` yield the optimizer's params: dim-0 DTensor shards (uneven,
     possibly empty) of the main weights, ``Replicate`` for ``no_shard``. Build the optimizer on them; call
     ``finish_grad_sync()`` before ``optimizer.step()`` and ``install_optimized_model_weights()`` after it.
+    Native ``full_tensor()`` / ``redistribute()`` fail on uneven shards: use
+    :func:`~gradsync.fsdp.uneven_dtensor_to_full_tensor` and the other helpers of
+    :mod:`gradsync.fsdp.uneven_dtensor`, or ``full_state_dict()``.
     """
 
     def __init__(
@@ -112,6 +116,7 @@ class MegatronFSDP(nn.Module):
                 disable_symmetric_registration=disable_symmetric_registration,
             )
         else:
+            ddp_config = as_ddp_config(ddp_config)  # Megatron-Core's own config objects too
             keywords = {
                 "nccl_ub": nccl_ub,
                 "fsdp_double_buffer": fsdp_double_buffer,
@@ -203,21 +208,42 @@ class MegatronFSDP(nn.Module):
         self.suggested_communication_unit_size = communication_unit_size(
             ddp_config, self.sharding.shard_params, unit_sizes
         )
-        # Elements a prefetch may gather ahead (whole units, in order); 0 turns prefetch off.
-        self.suggested_AG_prefetch_size = self.suggested_communication_unit_size // 2
-        # Elements of grad reductions in flight before the oldest is waited for.
-        self.suggested_RS_queue_capacity = self.suggested_communication_unit_size
-        self._ready: dict[int, set[int]] = {b.bucket_id: set() for b in self.buckets}
-        self._reduced_this_cycle: set[int] = set()
-        self._pending: set[int] = set()
-        self._outer_pending: set[int] = set()  # HSDP: inner-reduced this cycle, the outer stage not run
-        self._completed: set[int] = set()
-        self._in_flight: list[tuple[Any, int]] = []  # (launched reduction, its elements)
+        self._gathers = GatherSchedule(
+            self._unit_buckets, self.allocators.weights, self.suggested_communication_unit_size // 2
+        )
+        self._reductions = ReduceSchedule(
+            self.buckets,
+            self.sharding,
+            self.outer,
+            self._reduction,
+            overlap=ddp_config.overlap_grad_reduce,
+            check_for_nan=ddp_config.check_for_nan_in_grad or report_nan_in_param_grad,
+            cycle_ends=self._cycle_ends,
+            queue_capacity=self.suggested_communication_unit_size,
+        )
         self._in_backward = False
         self._grads_finished = False
         set_state(module, TrainingState.IDLE)
         self._register_hooks()
         self._replace_param_with_distributed_if_needed()
+
+    @property
+    def suggested_AG_prefetch_size(self) -> int:
+        """Elements a prefetch may gather ahead (whole units, in order); 0 turns prefetch off."""
+        return self._gathers.prefetch_size
+
+    @suggested_AG_prefetch_size.setter
+    def suggested_AG_prefetch_size(self, elements: int) -> None:
+        self._gathers.prefetch_size = elements
+
+    @property
+    def suggested_RS_queue_capacity(self) -> int:
+        """Elements of grad reductions in flight before the oldest is waited for."""
+        return self._reductions.queue_capacity
+
+    @suggested_RS_queue_capacity.setter
+    def suggested_RS_queue_capacity(self, elements: int) -> None:
+        self._reductions.queue_capacity = elements
 
     # --- the optimizer's params ---------------------------------------------------------------------
     def named_parameters(
@@ -293,15 +319,7 @@ class MegatronFSDP(nn.Module):
 
     def pending_grads(self) -> dict[str, str]:
         """Buckets still waiting for grads in this backward, by param name (for the hang watchdog)."""
-        pending = {}
-        for bucket in self.buckets:
-            done = bucket.bucket_id in self._completed or bucket.bucket_id in self._reduced_this_cycle
-            arrived = self._ready[bucket.bucket_id]
-            if not bucket.spec.requires_grad or done or not (arrived or self._in_backward):
-                continue
-            missing = [n for i, n in enumerate(bucket.spec.names) if i not in arrived]
-            pending[bucket.label] = f"no grad yet for {watchdog.missing_names(missing)}"
-        return pending
+        return self._reductions.missing_grads(self._in_backward)
 
     def communicated_bytes(self) -> int:
         """Bytes this rank handed to gathers and grad reductions since the last ``zero_grad_buffer``."""
@@ -359,7 +377,7 @@ class MegatronFSDP(nn.Module):
             return
         for bucket in self._non_unit_buckets:
             bucket.launch_gather()
-        self._prefetch(0 if self.units else None)
+        self._gathers.prefetch(0 if self.units else None)
         for bucket in self._non_unit_buckets:
             bucket.wait_gather()
 
@@ -380,7 +398,7 @@ class MegatronFSDP(nn.Module):
         recomputing = get_state(unit) is TrainingState.PRE_BACKWARD
         if not recomputing:
             set_state(unit, TrainingState.FORWARD)
-        self._gather_unit(unit_id, prefetch=None if recomputing else unit_id + 1)
+        self._gathers.gather_unit(unit_id, prefetch=None if recomputing else unit_id + 1)
         if self.sharding.shard_params:
             return attach_post_backward(args, kwargs, functools.partial(self._unit_post_backward, unit_id))
         return None
@@ -411,7 +429,7 @@ class MegatronFSDP(nn.Module):
 
     def _unit_pre_backward(self, unit_id: int) -> None:
         set_state(self.units[unit_id], TrainingState.PRE_BACKWARD)
-        self._gather_unit(unit_id, prefetch=unit_id - 1)
+        self._gathers.gather_unit(unit_id, prefetch=unit_id - 1)
 
     def _unit_post_backward(self, unit_id: int) -> None:
         set_state(self.units[unit_id], TrainingState.POST_BACKWARD)
@@ -419,33 +437,15 @@ class MegatronFSDP(nn.Module):
             bucket.release()
 
     def _on_grad(self, name: str, param: torch.Tensor) -> None:
-        """``param``'s grad of this backward is complete: move it into its bucket, and launch the
-        bucket's reduction once every param of the bucket has its grad."""
+        """``param``'s grad of this backward is complete: move it into its bucket."""
         grad = param.grad
         if grad is None:
             return
         bucket, index = self._locate(param)
-        if bucket.bucket_id in self._reduced_this_cycle:
-            self._reopen(bucket)
         if self.report_nan_in_param_grad and not bool(torch.isfinite(grad).all()):
             bucket.non_finite_params.append(name)
-        if not bucket.can_take_grads():
-            self._wait_reductions_until(bucket.can_take_grads)
-        with torch.no_grad():
-            bucket.accumulate(index, grad)
+        self._reductions.add_grad(bucket, index, grad)
         param.grad = None
-        ready = self._ready[bucket.bucket_id]
-        ready.add(index)
-        if len(ready) == len(bucket.spec.params):
-            self._bucket_complete(bucket)
-
-    def _reopen(self, bucket: FlatParamBucket) -> None:
-        """Accumulation after the cycle's final reduction (every microbatch synced, as torch DDP and FSDP2
-        users write it): the bucket is reduced again at the end of this backward, and the reduced grads
-        are summed. Correct for every strategy; ``no_sync()`` saves the extra reductions."""
-        self._wait_reductions()  # its last reduction must have landed before its grads are set aside
-        bucket.set_aside_reduced()
-        self._reduced_this_cycle.discard(bucket.bucket_id)
 
     def _locate(self, param: torch.Tensor) -> tuple[FlatParamBucket, int]:
         """The bucket and index of a compute param, or of its optimizer DTensor."""
@@ -455,66 +455,15 @@ class MegatronFSDP(nn.Module):
         bucket, index = self._position[param]
         bucket.write_param(index, value)
 
-    def _reduces_now(self) -> bool:
-        if self.sharding.shard_grads:
-            return True
-        return self.ddp_config.overlap_grad_reduce and self._cycle_ends()
-
     def _cycle_ends(self) -> bool:
         """Whether this backward is the cycle's last: the once-per-cycle reductions run in it."""
         return self.is_last_microbatch or self.model_auto_sync
 
-    def _bucket_complete(self, bucket: FlatParamBucket) -> None:
-        self._ready[bucket.bucket_id] = set()
-        self._completed.add(bucket.bucket_id)
-        if self._reduces_now():
-            self._launch_reduce(bucket)
-        else:
-            self._pending.add(bucket.bucket_id)
-
-    def _launch_reduce(self, bucket: FlatParamBucket) -> None:
-        """Launch ``bucket``'s reduction over the shard group, and the outer stage after it when it ends
-        the cycle (HSDP; ZeRO-2/3 accumulate in the shard until then)."""
-        self._pending.discard(bucket.bucket_id)
-        ends_cycle = not self.sharding.shard_grads or self._cycle_ends()
-        if ends_cycle and (self.outer is not None or not self.sharding.shard_grads):
-            self._reduced_this_cycle.add(bucket.bucket_id)
-        self._wait_reductions_until(bucket.can_take_grads)  # a bucket without grads needs a buffer now
-        elements = bucket.layout.size
-        while (
-            self._in_flight
-            and sum(n for _, n in self._in_flight) + elements > self.suggested_RS_queue_capacity
-        ):
-            self._in_flight.pop(0)[0].wait()  # bound the reductions in flight (and their buffers)
-        check_for_nan = self.ddp_config.check_for_nan_in_grad or self.report_nan_in_param_grad
-        launched = bucket.launch_reduce(self._reduction, check_for_nan)
-        if self.outer is not None:
-            if ends_cycle:
-                self._outer_pending.discard(bucket.bucket_id)
-                launched.after.append(lambda: self._launch_outer_reduce(bucket))
-            else:
-                self._outer_pending.add(bucket.bucket_id)
-        self._in_flight.append((launched, elements))
-
-    def _launch_outer_reduce(self, bucket: FlatParamBucket) -> None:
-        """Queue ``bucket``'s outer stage; it needs the inner reduction's result, so it starts once that
-        one is waited."""
-        self._reduced_this_cycle.add(bucket.bucket_id)
-        self._in_flight.append((bucket.launch_outer_reduce(self._reduction), bucket.layout.size))
-
     def _root_post_backward(self) -> None:
-        """End of the backward: every grad bucket not completed by its hooks (some param got no grad on
-        this rank) completes now, in bucket order so every rank posts the same collectives (a bucket
-        reduced earlier in the cycle is reopened too: another rank may have grads for it); then all
-        reductions are waited and ZeRO-3 drops every gathered weight."""
-        for bucket in self.buckets:
-            if not bucket.spec.requires_grad or bucket.bucket_id in self._completed:
-                continue
-            if bucket.bucket_id in self._reduced_this_cycle:  # no grad here: other ranks may have some
-                self._reopen(bucket)
-            self._bucket_complete(bucket)
-        self._completed.clear()
-        self._wait_reductions()
+        """End of the backward: buckets some param of which got no grad on this rank complete, every
+        reduction is waited (:meth:`ReduceSchedule.end_backward`), and ZeRO-3 drops every gathered
+        weight."""
+        self._reductions.end_backward()
         if self.sharding.shard_params:
             for bucket in self.buckets:
                 bucket.release()
@@ -527,38 +476,7 @@ class MegatronFSDP(nn.Module):
         if self.model_auto_sync:
             self.finish_grad_sync()
 
-    def _wait_reductions_until(self, ready: Any) -> None:
-        """Double buffers: finish the oldest reductions (freeing their grad buffers) until ``ready()``."""
-        while self._in_flight and not ready():
-            self._in_flight.pop(0)[0].wait()
-
-    def _wait_reductions(self) -> None:
-        while self._in_flight:  # waiting an inner reduction may queue its outer stage
-            self._in_flight.pop(0)[0].wait()
-
     # --- gathers -----------------------------------------------------------------------------------
-    def _gather_unit(self, unit_id: int, prefetch: int | None) -> None:
-        for bucket in self._unit_buckets[unit_id]:
-            bucket.launch_gather()
-        if prefetch is not None:
-            self._prefetch(prefetch, 1 if prefetch > unit_id else -1)
-        for bucket in self._unit_buckets[unit_id]:
-            bucket.wait_gather()
-
-    def _prefetch(self, unit_id: int | None, direction: int = 1) -> None:
-        """Start gathering whole units from ``unit_id`` on, in ``direction`` (+1: forward order, -1:
-        backward), while they fit ``suggested_AG_prefetch_size`` elements together."""
-        budget = self.suggested_AG_prefetch_size
-        while unit_id is not None and 0 <= unit_id < len(self.units):
-            buckets = self._unit_buckets[unit_id]
-            size = sum(b.layout.size for b in buckets)
-            if size > budget or not all(self.allocators.weights.can_allocate(b.bucket_id) for b in buckets):
-                return  # out of budget, or double buffers both held by units still in use
-            for bucket in buckets:
-                bucket.launch_gather()
-            budget -= size
-            unit_id += direction
-
     def all_gather_and_wait_parameters_ready(
         self,
         params: Sequence[nn.Parameter],
@@ -575,9 +493,9 @@ class MegatronFSDP(nn.Module):
             unit_ids = [u for b in buckets if (u := self.buckets[b].spec.unit_id) is not None]
             if unit_ids:
                 if prefetch_order is PrefetchOrder.FORWARD_PASS_ORDER:
-                    self._prefetch(max(unit_ids) + 1, 1)
+                    self._gathers.prefetch(max(unit_ids) + 1, 1)
                 else:
-                    self._prefetch(min(unit_ids) - 1, -1)
+                    self._gathers.prefetch(min(unit_ids) - 1, -1)
         if wait_bucket_ready:
             for bucket_id in buckets:
                 self.buckets[bucket_id].wait_gather()
@@ -613,20 +531,13 @@ class MegatronFSDP(nn.Module):
 
     # --- the step ----------------------------------------------------------------------------------
     def start_grad_sync(self, *unused: Any) -> None:
-        """Reduce grads that wait for the end of the cycle (no_shard / optim)."""
-        for bucket in self.buckets:
-            if bucket.bucket_id in self._pending:
-                self._launch_reduce(bucket)
-        if self._outer_pending:  # ZeRO-2/3 under HSDP whose last backward ran under no_sync()
-            self._wait_reductions()
-            for bucket_id in sorted(self._outer_pending):
-                self._launch_outer_reduce(self.buckets[bucket_id])
-            self._outer_pending.clear()
+        """Reduce grads that wait for the end of the cycle (no_shard / optim, HSDP's outer stage)."""
+        self._reductions.launch_deferred()
 
     def synchronize_gradient_reduce(self) -> None:
         """Launch pending reductions and wait for every reduction in flight."""
         self.start_grad_sync()
-        self._wait_reductions()
+        self._reductions.wait_all()
 
     def attach_grad_to_optimizer_state(self) -> None:
         """Give the optimizer's params their reduced grads."""
@@ -662,15 +573,12 @@ class MegatronFSDP(nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Zero the grad buffers and drop the optimizer params' grads; call once per optimizer step."""
-        self._wait_reductions()
+        self._reductions.new_cycle()
         for bucket in self.buckets:
             bucket.zero_grad()
         for params in self._optimizer_params:
             for param in params:
                 param.grad = None
-        self._reduced_this_cycle.clear()
-        self._pending.clear()
-        self._outer_pending.clear()
         self._grads_finished = False
         for bucket in self.buckets:
             bucket.communicated_bytes = 0

@@ -1,0 +1,199 @@
+"""When MegatronFSDP communicates: which gathers run ahead of use, and when each bucket's grads are reduced.
+
+:class:`GatherSchedule` gathers a unit's buckets and prefetches the next units in forward or backward
+order within a budget of elements. :class:`ReduceSchedule` counts each bucket's grads as they arrive,
+launches its reduction when the last one lands (or defers it to the end of the cycle: ``no_shard`` and
+``optim`` reduce once per cycle), bounds the reductions in flight, queues HSDP's outer stage behind the
+inner one, and reopens a bucket reduced earlier in the cycle when more grads arrive (accumulation without
+``no_sync()``). The wrapper decides *what* happens in its hooks; these two decide *when* it communicates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from gradsync.buffers import watchdog
+from gradsync.buffers.collectives import Launched
+
+from .allocators import BucketAllocator
+from .bucket import FlatParamBucket, GradReduction
+from .hsdp import OuterReplication
+from .strategy import Sharding
+
+
+class GatherSchedule:
+    """Gathers of the units' buckets, with prefetch of whole units within ``prefetch_size`` elements."""
+
+    def __init__(
+        self, unit_buckets: Sequence[Sequence[FlatParamBucket]], weights: BucketAllocator, prefetch_size: int
+    ) -> None:
+        self.unit_buckets = unit_buckets
+        self.weights = weights
+        self.prefetch_size = prefetch_size  # 0 turns prefetch off
+
+    def gather_unit(self, unit_id: int, prefetch: int | None) -> None:
+        """Gather unit ``unit_id`` (and prefetch from unit ``prefetch`` on, away from it), and wait."""
+        for bucket in self.unit_buckets[unit_id]:
+            bucket.launch_gather()
+        if prefetch is not None:
+            self.prefetch(prefetch, 1 if prefetch > unit_id else -1)
+        for bucket in self.unit_buckets[unit_id]:
+            bucket.wait_gather()
+
+    def prefetch(self, unit_id: int | None, direction: int = 1) -> None:
+        """Start gathering whole units from ``unit_id`` on, in ``direction`` (+1: forward order, -1:
+        backward), while they fit ``prefetch_size`` elements together."""
+        budget = self.prefetch_size
+        while unit_id is not None and 0 <= unit_id < len(self.unit_buckets):
+            buckets = self.unit_buckets[unit_id]
+            size = sum(b.layout.size for b in buckets)
+            if size > budget or not all(self.weights.can_allocate(b.bucket_id) for b in buckets):
+                return  # out of budget, or double buffers both held by units still in use
+            for bucket in buckets:
+                bucket.launch_gather()
+            budget -= size
+            unit_id += direction
+
+
+class ReduceSchedule:
+    """The grad reductions of ``buckets``: readiness, deferral to the cycle's end, the queue in flight.
+
+    ``cycle_ends()`` says whether the running backward is the cycle's last (``is_last_microbatch`` or
+    auto-sync): the once-per-cycle reductions and HSDP's outer stage run in it.
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[FlatParamBucket],
+        sharding: Sharding,
+        outer: OuterReplication | None,
+        reduction: GradReduction,
+        *,
+        overlap: bool,
+        check_for_nan: bool,
+        cycle_ends: Callable[[], bool],
+        queue_capacity: int,
+    ) -> None:
+        self.buckets = buckets
+        self.sharding, self.outer, self.reduction = sharding, outer, reduction
+        self.overlap, self.check_for_nan, self.cycle_ends = overlap, check_for_nan, cycle_ends
+        self.queue_capacity = queue_capacity  # elements in flight before the oldest is waited for
+        self._ready: dict[int, set[int]] = {b.bucket_id: set() for b in buckets}
+        self._completed: set[int] = set()  # in this backward
+        self._pending: set[int] = set()  # complete, reduction deferred to the cycle's end
+        self._outer_pending: set[int] = set()  # HSDP: inner-reduced this cycle, the outer stage not run
+        self._reduced_this_cycle: set[int] = set()  # the cycle's final reduction ran
+        self.in_flight: list[tuple[Launched, int]] = []  # (launched reduction, its elements)
+
+    # --- grads arriving ------------------------------------------------------------------------------
+    def add_grad(self, bucket: FlatParamBucket, index: int, grad: torch.Tensor) -> None:
+        """Accumulate item ``index``'s grad of this backward; reduce the bucket once it is complete."""
+        if bucket.bucket_id in self._reduced_this_cycle:
+            self._reopen(bucket)
+        if not bucket.can_take_grads():
+            self.wait_until(bucket.can_take_grads)
+        with torch.no_grad():
+            bucket.accumulate(index, grad)
+        ready = self._ready[bucket.bucket_id]
+        ready.add(index)
+        if len(ready) == len(bucket.spec.params):
+            self._complete(bucket)
+
+    def end_backward(self) -> None:
+        """Every grad bucket not completed by its grads (a param got no grad on this rank) completes now,
+        in bucket order so every rank posts the same collectives (a bucket reduced earlier in the cycle
+        is reopened too: another rank may have grads for it); then every reduction is waited."""
+        for bucket in self.buckets:
+            if not bucket.spec.requires_grad or bucket.bucket_id in self._completed:
+                continue
+            if bucket.bucket_id in self._reduced_this_cycle:
+                self._reopen(bucket)
+            self._complete(bucket)
+        self._completed.clear()
+        self.wait_all()
+
+    def _reopen(self, bucket: FlatParamBucket) -> None:
+        """Accumulation after the cycle's final reduction (every microbatch synced, as torch DDP and FSDP2
+        users write it): the bucket is reduced again, and the reduced grads are summed. Correct for every
+        strategy; ``no_sync()`` saves the extra reductions."""
+        self.wait_all()  # its last reduction must have landed before its grads are set aside
+        bucket.set_aside_reduced()
+        self._reduced_this_cycle.discard(bucket.bucket_id)
+
+    def _complete(self, bucket: FlatParamBucket) -> None:
+        self._ready[bucket.bucket_id] = set()
+        self._completed.add(bucket.bucket_id)
+        if self.sharding.shard_grads or (self.overlap and self.cycle_ends()):
+            self.launch(bucket)
+        else:
+            self._pending.add(bucket.bucket_id)
+
+    # --- launching -----------------------------------------------------------------------------------
+    def launch(self, bucket: FlatParamBucket) -> None:
+        """Launch ``bucket``'s reduction over the shard group, and the outer stage after it when it ends
+        the cycle (HSDP; ZeRO-2/3 accumulate in the shard until then)."""
+        self._pending.discard(bucket.bucket_id)
+        ends_cycle = not self.sharding.shard_grads or self.cycle_ends()
+        if ends_cycle and (self.outer is not None or not self.sharding.shard_grads):
+            self._reduced_this_cycle.add(bucket.bucket_id)
+        self.wait_until(bucket.can_take_grads)  # a bucket without grads needs a buffer now
+        elements = bucket.layout.size
+        while self.in_flight and sum(n for _, n in self.in_flight) + elements > self.queue_capacity:
+            self.in_flight.pop(0)[0].wait()  # bound the reductions in flight (and their buffers)
+        launched = bucket.launch_reduce(self.reduction, self.check_for_nan)
+        if self.outer is not None:
+            if ends_cycle:
+                self._outer_pending.discard(bucket.bucket_id)
+                launched.after.append(lambda: self._launch_outer(bucket))
+            else:
+                self._outer_pending.add(bucket.bucket_id)
+        self.in_flight.append((launched, elements))
+
+    def _launch_outer(self, bucket: FlatParamBucket) -> None:
+        """Queue ``bucket``'s outer stage; it needs the inner reduction's result, so it starts once that
+        one is waited."""
+        self._reduced_this_cycle.add(bucket.bucket_id)
+        self.in_flight.append((bucket.launch_outer_reduce(self.reduction), bucket.layout.size))
+
+    def launch_deferred(self) -> None:
+        """The reductions waiting for the end of the cycle (no_shard / optim), and HSDP's outer stages of
+        ZeRO-2/3 buckets whose last backward ran under no_sync()."""
+        for bucket in self.buckets:
+            if bucket.bucket_id in self._pending:
+                self.launch(bucket)
+        if self._outer_pending:
+            self.wait_all()
+            for bucket_id in sorted(self._outer_pending):
+                self._launch_outer(self.buckets[bucket_id])
+            self._outer_pending.clear()
+
+    # --- waiting -------------------------------------------------------------------------------------
+    def wait_until(self, ready: Callable[[], bool]) -> None:
+        """Double buffers: finish the oldest reductions (freeing their grad buffers) until ``ready()``."""
+        while self.in_flight and not ready():
+            self.in_flight.pop(0)[0].wait()
+
+    def wait_all(self) -> None:
+        while self.in_flight:  # waiting an inner reduction may queue its outer stage
+            self.in_flight.pop(0)[0].wait()
+
+    def new_cycle(self) -> None:
+        """After ``zero_grad_buffer``: nothing is reduced, deferred or pending any more."""
+        self.wait_all()
+        self._reduced_this_cycle.clear()
+        self._pending.clear()
+        self._outer_pending.clear()
+
+    def missing_grads(self, in_backward: bool) -> dict[str, str]:
+        """Buckets still waiting for grads in this backward, by param name (for the hang watchdog)."""
+        missing = {}
+        for bucket in self.buckets:
+            done = bucket.bucket_id in self._completed or bucket.bucket_id in self._reduced_this_cycle
+            arrived = self._ready[bucket.bucket_id]
+            if not bucket.spec.requires_grad or done or not (arrived or in_backward):
+                continue
+            names = [n for i, n in enumerate(bucket.spec.names) if i not in arrived]
+            missing[bucket.label] = f"no grad yet for {watchdog.missing_names(names)}"
+        return missing
