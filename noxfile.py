@@ -40,6 +40,7 @@ nox.options.sessions = [
     *(f"tests-{p}" for p in PACKAGES),
     "build",
     "integration",
+    "mutations",
 ]
 
 
@@ -91,7 +92,7 @@ def typecheck(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "mypy", "torch", *TEST_TOOLS, "nox", "matplotlib")
     session.run("mypy", *(arg for p in PACKAGES for arg in ("-p", f"gradsync.{p}")))
     session.run("mypy", "noxfile.py")
-    scripts = ["integration/toygpt", "integration/train.py", "integration/parity.py", "benchmarks"]
+    scripts = ["integration/toygpt", "integration/train.py", "integration/parity.py", "benchmarks", "tools"]
     # benchmarks/ scripts import each other (bench_ab reuses bench_worker), as they run with it on the path
     search = os.pathsep.join(str(ROOT / d) for d in ("integration", "benchmarks"))
     session.run("mypy", *scripts, env={"MYPYPATH": search})
@@ -195,6 +196,15 @@ def integration(session: nox.Session) -> None:
     launches (report, bit-exact resume, a killed rank)."""
     install_local(session, *PACKAGES, extra=TEST_TOOLS)
     session.run("pytest", str(ROOT / "integration"), *session.posargs)
+
+
+@nox.session
+def mutations(session: nox.Session) -> None:
+    """The mutation check: each behaviour listed in tools/mutations.json is broken on purpose in a copy of
+    the packages, and the tests guarding it must fail (tools/mutations.py; arguments go to it: -k NAME,
+    --list, -v)."""
+    install_local(session, *PACKAGES, extra=TEST_TOOLS)
+    session.run("python", str(ROOT / "tools" / "mutations.py"), *session.posargs)
 
 
 @nox.session(name="integration-full")

@@ -9,13 +9,18 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_testkit import Trainer, wrap
+import torch.nn.functional as F
+from fsdp_testkit import DIM, VOCAB, Trainer, make_optimizer, shard_index, wrap
+from torch import nn
 
-from gradsync.fsdp import MegatronFSDP
+from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.fsdp import MegatronFSDP, MixedPrecisionPolicy, fully_shard_model
 from gradsync.fsdp.allocators import (
     AllocatorStats,
     BufferRequest,
     DoubleBufferAllocator,
+    MaxPoolDoubleBufferAllocator,
+    PersistentBucketAllocator,
     StorageResizeBucketAllocator,
     TemporaryBucketAllocator,
     UnitBuckets,
@@ -97,6 +102,68 @@ def test_double_buffer_rotates_two_slot_groups_shaped_like_the_mode() -> None:
     assert pool.allocate(0, request(4)) is pool.slots[0][0]  # unit 0's first group again, both idle
     assert pool.allocate(4, request(4)) is pool.slots[1][0]  # and unit 2's
     assert pool.stats.allocations == 4  # nothing allocated after construction
+
+
+def test_max_pool_slots_fit_every_unit_largest_bucket_first() -> None:
+    """Each unit's buckets, largest first, take the slots by position; a slot is as large as the largest
+    bucket that takes it. Every unit bucket is pooled, each gets the head of its slot (the same tensor each
+    time), and nothing is allocated after construction."""
+    units = units_of((4, 6), (5, 6), (9,), (3, 2, 7))  # largest first: (6, 4), (6, 5), (9,), (7, 3, 2)
+    pool = MaxPoolDoubleBufferAllocator("weight", units, StorageResizeBucketAllocator())
+    assert pool.slot_requests == (request(9), request(5), request(2))
+    assert pool.stats == AllocatorStats(allocations=6, live_bytes=2 * 4 * 16, peak_bytes=2 * 4 * 16)
+    assert all(pool.pooled(b) for u in units for b in u.bucket_ids)
+    first = pool.allocate(0, request(4))  # unit 0 -> group 0: its 4 is its second largest
+    assert first.numel() == 4
+    assert first.data_ptr() == pool.slots[0][1].data_ptr()
+    assert pool.allocate(1, request(6)).data_ptr() == pool.slots[0][0].data_ptr()
+    seven, three, two = (pool.allocate(b, request(n)) for b, n in ((7, 7), (5, 3), (6, 2)))  # unit 3 -> 1
+    assert [t.data_ptr() for t in (seven, three, two)] == [s.data_ptr() for s in pool.slots[1]]
+    assert [t.numel() for t in (seven, three, two)] == [7, 3, 2]
+    for bucket in (0, 1, 5, 6, 7):
+        pool.free(bucket)
+    assert pool.allocate(0, request(4)) is first  # the same view, so params are not re-pointed
+    with pytest.raises(RuntimeError, match=r"bucket 5 asks for 6 torch\.float32 elements"):
+        pool.allocate(5, request(6))  # more than its slot (5): refused, not overrun
+    pool.free(0)
+    assert pool.allocate(4, request(9)) is pool.slots[0][0]  # unit 2, group 0: the whole slot
+    assert pool.stats.allocations == 6
+
+
+def test_max_pool_plans_each_dtype_apart() -> None:
+    bf16 = torch.bfloat16
+    units = [
+        UnitBuckets(0, (0, 1), (request(8), request(3, bf16))),
+        UnitBuckets(1, (2, 3, 4), (request(5, bf16), request(2), request(4, bf16))),
+    ]
+    pool = MaxPoolDoubleBufferAllocator("grad", units, TemporaryBucketAllocator())
+    assert pool.slot_requests == (request(8), request(5, bf16), request(4, bf16))
+    assert pool.allocate(4, request(4, bf16)).data_ptr() == pool.slots[0][2].data_ptr()
+    assert pool.allocate(3, request(2)).data_ptr() == pool.slots[0][0].data_ptr()
+    assert pool.allocate(1, request(3, bf16)).data_ptr() == pool.slots[1][1].data_ptr()
+
+
+def test_persistent_allocator_keeps_each_buffer_for_good() -> None:
+    alloc = PersistentBucketAllocator()
+    first = alloc.allocate(2, request(10))
+    alloc.free(2)
+    assert first.untyped_storage().nbytes() == 40  # kept
+    assert alloc.allocate(2, request(10)) is first
+    alloc.allocate(5, request(3, torch.bfloat16))
+    alloc.free(5)
+    assert alloc.stats == AllocatorStats(allocations=2, live_bytes=46, peak_bytes=46)
+
+
+def test_double_buffer_with_persistent_fallback_allocates_a_misfit_once() -> None:
+    units = units_of((4,), (5,), (4,))
+    fallback = PersistentBucketAllocator()
+    pool = DoubleBufferAllocator("grad", units, fallback)
+    misfit = pool.allocate(1, request(5))
+    for _ in range(3):
+        pool.free(1)
+        assert pool.allocate(1, request(5)) is misfit
+    assert fallback.stats == AllocatorStats(allocations=1, live_bytes=20, peak_bytes=20)
+    assert pool.all_stats() == {"double_buffer": pool.stats, "persistent": fallback.stats}
 
 
 def test_double_buffer_mode_ties_go_to_the_first_unit_and_no_units_is_refused() -> None:
@@ -226,6 +293,209 @@ def test_zero2_double_buffers_only_the_grads() -> None:
         assert all(c["grads:double_buffer"] == 0 and c["weights:storage_resize"] == 0 for c in per_step)
 
 
+# --- units of different sizes: the max-pool double buffer and the persistent fallback -----------------
+WIDTHS = (2 * DIM + 1, DIM + 1, 2 * DIM + 1, 6 * DIM)
+"""Hidden widths of the units: three shapes, the mode (first and third) is not the largest."""
+
+
+class Layer(nn.Module):
+    """A unit of a given hidden width."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, hidden)
+        self.down = nn.Linear(hidden, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class UnevenModel(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Layer(width) for width in WIDTHS)
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.to(test_device(), dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+UNEVEN_ALLOCATORS: dict[str, dict[str, Any]] = {
+    "dynamic": {},
+    "double_buffer": {"fsdp_double_buffer": True},
+    "max_pool": {"megatron_fsdp_max_pool_double_buffer": True},
+    "persistent": {"fsdp_double_buffer": True, "fsdp_db_use_persist_buf_on_alloc_fail": True},
+}
+
+
+def uneven_runs(strategy: str, dtype: torch.dtype) -> dict[str, dict[str, Any]]:
+    """Four steps of the uneven model under each allocator choice (each rank its own data): weights,
+    allocations per kind at construction and per step, peaks, and which buckets each pool serves."""
+    runs = {}
+    for name, fields in UNEVEN_ALLOCATORS.items():
+        config = DistributedDataParallelConfig(
+            use_megatron_fsdp=True,
+            data_parallel_sharding_strategy=strategy,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            **fields,
+        )
+        model = MegatronFSDP(
+            UnevenModel(dtype),
+            shard_index(),
+            config,
+            fsdp_unit_modules=[Layer],
+            mixed_precision_policy=MixedPrecisionPolicy(torch.float32),
+        )
+        trainer = Trainer(model, make_optimizer(model.parameters()))
+        built = {k: s.allocations for k, s in model.memory_stats().items()}
+        per_step = []
+        for step in range(4):
+            before = {k: s.allocations for k, s in model.memory_stats().items()}
+            trainer.step(step, 1)
+            per_step.append({k: s.allocations - before[k] for k, s in model.memory_stats().items()})
+        pooled = {}
+        for what, allocator in (("weights", model.allocators.weights), ("grads", model.allocators.grads)):
+            if isinstance(allocator, DoubleBufferAllocator):
+                pooled[what] = [allocator.pooled(b.bucket_id) for b in model.buckets]
+        runs[name] = {
+            "weights": exported_weights(model),
+            "built": built,
+            "per_step": per_step,
+            "peak": {k: s.peak_bytes for k, s in model.memory_stats().items()},
+            "pooled": pooled,
+            "unit": [b.spec.unit_id is not None for b in model.buckets],
+            "unit_weights": bucket_bytes(model, units=True),
+            "unit_grads": bucket_bytes(model, units=True, grads=True),
+        }
+    return runs
+
+
+UNEVEN_CASES = [
+    (strategy, dtype)
+    for strategy in ("optim_grads_params", "optim_grads")
+    for dtype in (torch.float32, torch.bfloat16)
+]
+
+
+@pytest.fixture(scope="module", params=UNEVEN_CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}")
+def uneven(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, dict[str, Any]]]]:
+    strategy, dtype = request.param
+    return strategy, run_distributed(uneven_runs, 2, args=(strategy, dtype))
+
+
+def test_units_of_different_sizes_train_alike_under_every_allocator(
+    uneven: tuple[str, list[dict[str, dict[str, Any]]]],
+) -> None:
+    _, ranks = uneven
+    for rank in ranks:
+        want = rank["dynamic"]["weights"]
+        for name in UNEVEN_ALLOCATORS:
+            got = rank[name]["weights"]
+            assert all(torch.equal(got[k], want[k]) for k in want), name
+    first, second = (rank["dynamic"]["weights"] for rank in ranks)
+    assert all(torch.equal(first[k], second[k]) for k in first)  # replicas agree
+    start = uneven_initial()
+    assert not any(torch.equal(first[k], start[k]) for k in first)  # and they trained
+
+
+def uneven_initial() -> dict[str, torch.Tensor]:
+    model = UnevenModel(torch.float32)
+    return {name: p.detach().float().cpu() for name, p in model.named_parameters()}
+
+
+def test_the_mode_shaped_double_buffer_does_not_fit_every_unit(
+    uneven: tuple[str, list[dict[str, dict[str, Any]]]],
+) -> None:
+    """The model is a fair test of the max pool: the plain double buffer sends two units elsewhere."""
+    for rank in uneven[1]:
+        run = rank["double_buffer"]
+        pooled = run["pooled"]["grads"]
+        assert sum(pooled) == 2
+        assert sum(run["unit"]) == len(WIDTHS)
+        fallback = "grads:temporary"
+        assert all(counts[fallback] > sum(not u for u in run["unit"]) for counts in run["per_step"])
+
+
+def test_the_max_pool_serves_every_unit_from_two_slot_groups(
+    uneven: tuple[str, list[dict[str, dict[str, Any]]]],
+) -> None:
+    """Every unit bucket is pooled; after construction only the buckets outside units allocate (in their
+    dynamic fallback, once per step), and the pool holds twice the largest unit per kind."""
+    strategy, ranks = uneven
+    zero3 = strategy == "optim_grads_params"
+    for rank in ranks:
+        run = rank["max_pool"]
+        others = sum(not u for u in run["unit"])
+        for what in ("weights", "grads") if zero3 else ("grads",):
+            assert run["pooled"][what] == run["unit"]
+        expected = {"grads:max_pool_double_buffer": 0, "grads:temporary": others}
+        if zero3:
+            expected |= {"weights:max_pool_double_buffer": 0, "weights:storage_resize": others}
+        else:
+            expected |= {"weights:storage_resize": 0}
+        assert run["per_step"] == [expected] * len(run["per_step"])
+        assert run["peak"]["grads:max_pool_double_buffer"] == 2 * max(run["unit_grads"])
+        if zero3:
+            assert run["peak"]["weights:max_pool_double_buffer"] == 2 * max(run["unit_weights"])
+
+
+def test_the_persistent_fallback_allocates_each_misfit_once(
+    uneven: tuple[str, list[dict[str, dict[str, Any]]]],
+) -> None:
+    """Buckets that do not fit the double buffer (the two odd units and the buckets outside units) get a
+    buffer each, once: the weights' at construction, the grads' in the first backward; then nothing."""
+    strategy, ranks = uneven
+    zero3 = strategy == "optim_grads_params"
+    for rank in ranks:
+        run = rank["persistent"]
+        misfits = sum(not p for p in run["pooled"]["grads"])
+        assert misfits == len(run["unit"]) - 2
+        assert "grads:persistent" in run["per_step"][0], run["per_step"][0]
+        assert run["per_step"][0]["grads:persistent"] == misfits
+        if zero3:
+            assert run["built"]["weights:persistent"] == sum(not p for p in run["pooled"]["weights"])
+        for counts in run["per_step"][1:]:
+            assert set(counts.values()) == {0}, counts
+        assert all(counts["grads:double_buffer"] == 0 for counts in run["per_step"])
+
+
+def fully_shard_keywords(strategy: int) -> tuple[set[str], bool]:
+    """fully_shard_model's reference keywords: the max pool with the persistent fallback, against the
+    default allocators, three steps, each rank its own data."""
+    runs = []
+    for keywords in ({"maxpool_double_buffer": True, "fsdp_db_use_persist_buf_on_alloc_fail": True}, {}):
+        model = fully_shard_model(
+            UnevenModel(torch.float32), fsdp_unit_modules=[Layer], zero_dp_strategy=strategy, **keywords
+        )
+        trainer = Trainer(model, make_optimizer(model.parameters()))
+        for step in range(3):
+            trainer.step(step, 1)
+        runs.append((set(model.memory_stats()), exported_weights(model)))
+    (kinds, got), (_, want) = runs
+    return kinds, all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("strategy", [0, 1, 2, 3])
+def test_fully_shard_takes_the_reference_allocator_keywords(strategy: int) -> None:
+    for kinds, same in run_distributed(fully_shard_keywords, 2, args=(strategy,)):
+        assert same
+        if strategy < 2:
+            assert kinds == {"weights:storage_resize", "grads:temporary"}
+        else:
+            assert {"grads:max_pool_double_buffer", "grads:persistent"} <= kinds
+            assert ("weights:max_pool_double_buffer" in kinds) == (strategy == 3)
+
+
 def third_unit_refused() -> None:
     model = wrap("optim_grads_params", layers=LAYERS, fsdp_double_buffer=True)
     units = [list(unit.parameters()) for unit in model.units]
@@ -241,9 +511,9 @@ def test_a_third_unit_gathered_while_two_are_held_is_refused() -> None:
 def buffering_refusals() -> list[str]:
     messages = []
     for strategy, units, config in (
-        ("optim", True, {"fsdp_double_buffer": True}),
         ("optim_grads_params", True, {"disable_symmetric_registration": True}),
         ("optim_grads_params", False, {"fsdp_double_buffer": True}),
+        ("optim_grads", True, {"fsdp_db_use_persist_buf_on_alloc_fail": True}),
     ):
         with pytest.raises(ValueError, match="MegatronFSDP") as info:
             wrap(strategy, units=units, **config)
@@ -251,14 +521,45 @@ def buffering_refusals() -> list[str]:
     return messages
 
 
-def test_buffering_that_would_do_nothing_is_refused() -> None:
+def test_buffering_options_that_contradict_are_refused() -> None:
     if test_device().type == "cuda" and dist.is_nccl_available():
         pytest.skip("disable_symmetric_registration is checked off NCCL here")
-    optim, symmetric, no_units = run_distributed(buffering_refusals, 2)[0]
-    assert "data_parallel_sharding_strategy='optim' allocates none" in optim
+    symmetric, no_units, persistent = run_distributed(buffering_refusals, 2)[0]
     assert "disable_symmetric_registration=True" in symmetric
     assert "NCCL" in symmetric
     assert "no FSDP units to double-buffer weights" in no_units
+    assert "fsdp_db_use_persist_buf_on_alloc_fail=True only chooses" in persistent
+    assert "turn fsdp_double_buffer on" in persistent
+
+
+NO_OP_BUFFERING: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "double_buffer": {"fsdp_double_buffer": True},
+    "max_pool": {"megatron_fsdp_max_pool_double_buffer": True},
+    "persistent": {"fsdp_double_buffer": True, "fsdp_db_use_persist_buf_on_alloc_fail": True},
+}
+
+
+def unbuffered_strategy_runs(strategy: str) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, int]]]:
+    """no_shard / optim with each double-buffering option (the reference accepts them): three steps,
+    the weights and every allocator's allocation count."""
+    runs = {}
+    for name, config in NO_OP_BUFFERING.items():
+        trainer = Trainer.build(strategy, layers=LAYERS, **config)
+        for step in range(3):
+            trainer.step(step, 1)
+        stats = {k: s.allocations for k, s in trainer.model.memory_stats().items()}
+        runs[name] = (exported_weights(trainer.model), stats)
+    return runs
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+def test_double_buffering_is_accepted_and_a_no_op_where_nothing_is_buffered(strategy: str) -> None:
+    for rank in run_distributed(unbuffered_strategy_runs, 2, args=(strategy,)):
+        plain, _ = rank["plain"]
+        for name, (weights, stats) in rank.items():
+            assert stats == {"weights:storage_resize": 0, "grads:temporary": 0}, name
+            assert all(torch.equal(weights[k], plain[k]) for k in plain), name
 
 
 def userbuffer_training(symmetric: bool) -> dict[str, Any]:
@@ -316,37 +617,49 @@ def test_nccl_userbuffers_hold_the_double_buffers_on_cuda(symmetric: bool) -> No
     assert result["identical"]
 
 
-def slots_by_pass() -> tuple[list[int], list[int], bool]:
-    """Each unit's weight address at its forward and at its backward, over two steps of ZeRO-3 with double
-    buffers and without overlap_param_gather (every step ends with an install and a param sync)."""
+def slots_by_pass(checkpoint: str | None) -> tuple[list[list[int]], list[list[int]], bool]:
+    """Each unit's weight address at every forward (recomputations included) and every backward, over two
+    steps of ZeRO-3 with double buffers and without overlap_param_gather (every step ends with an install
+    and a param sync), and whether the weights match the dynamic allocators' bit for bit."""
     trainer = Trainer.build(
-        "optim_grads_params", layers=LAYERS, fsdp_double_buffer=True, overlap_param_gather=False
+        "optim_grads_params",
+        layers=LAYERS,
+        checkpoint=checkpoint,
+        fsdp_double_buffer=True,
+        overlap_param_gather=False,
     )
-    plain = Trainer.build("optim_grads_params", layers=LAYERS, overlap_param_gather=False)
+    plain = Trainer.build(
+        "optim_grads_params", layers=LAYERS, checkpoint=checkpoint, overlap_param_gather=False
+    )
     model = trainer.model
-    forward: dict[int, int] = {}
-    backward: dict[int, int] = {}
+    forward: list[list[int]] = [[] for _ in range(LAYERS)]
+    backward: list[list[int]] = [[] for _ in range(LAYERS)]
     model._replace_param_with_raw_if_needed()  # the compute params, whose storage moves between slots
     for unit_id, unit in enumerate(model.units):
         first = next(unit.parameters())
-        unit.register_forward_pre_hook(lambda *_, u=unit_id, p=first: forward.__setitem__(u, p.data_ptr()))
-        unit.register_full_backward_pre_hook(
-            lambda *_, u=unit_id, p=first: backward.__setitem__(u, p.data_ptr())
-        )
+        unit.register_forward_pre_hook(lambda *_, u=unit_id, p=first: forward[u].append(p.data_ptr()))
+        unit.register_full_backward_pre_hook(lambda *_, u=unit_id, p=first: backward[u].append(p.data_ptr()))
     for step in range(2):
         trainer.step(step, 1)
         plain.step(step, 1)
     got, want = model.full_state_dict(rank0_only=False), plain.model.full_state_dict(rank0_only=False)
     same = all(torch.equal(got[k], want[k]) for k in want)
-    return [forward[u] for u in range(LAYERS)], [backward[u] for u in range(LAYERS)], same
+    return forward, backward, same
 
 
-def test_a_unit_keeps_its_double_buffer_slot_from_forward_to_backward() -> None:
-    """Autograd reads in backward the weights a unit's forward saved: they must still be there. Units
-    alternate between the two slots, and the weights match the dynamic allocators' bit for bit."""
-    for forward, backward, same in run_distributed(slots_by_pass, 2):
-        assert forward == backward
-        assert forward[0] == forward[2] != forward[1] == forward[3]
+@pytest.mark.parametrize("checkpoint", [None, "reentrant"], ids=["saved", "recomputed"])
+def test_a_unit_keeps_its_double_buffer_slot_for_good(checkpoint: str | None) -> None:
+    """Autograd reads in backward the weights a unit's forward saved: they must still be there, so a unit
+    keeps its slot. Units alternate between the two slots, and the weights match the dynamic allocators'
+    bit for bit. With reentrant activation recomputation each unit's forward runs without grad and
+    releases its weights, and the backward gathers the last unit again while both slots are idle: it must
+    take its own slot (slot 1), not the first idle one, like every unit in every pass."""
+    for forward, backward, same in run_distributed(slots_by_pass, 2, args=(checkpoint,)):
+        assert all(len(passes) == (4 if checkpoint else 2) for passes in forward)  # recomputed: twice a step
+        assert all(len(passes) == 2 for passes in backward)
+        slots = [set(f) | set(b) for f, b in zip(forward, backward, strict=True)]
+        assert all(len(s) == 1 for s in slots), slots  # one slot per unit, for good
+        assert slots[0] == slots[2] != slots[1] == slots[3]
         assert same
 
 

@@ -33,7 +33,9 @@ def construction_errors() -> None:
     assert "does not import" in refused(units=["no_such_package.Block"])
     assert "nccl_ub=True needs CUDA" in refused(nccl_ub=True)
     assert "fp8_param_gather=True needs CUDA" in refused(fp8_param_gather=True)
-    assert "fsdp_double_buffer=True buffers the whole-bucket grads" in refused(fsdp_double_buffer=True)
+    assert "fsdp_db_use_persist_buf_on_alloc_fail=True only chooses" in refused(
+        fsdp_db_use_persist_buf_on_alloc_fail=True
+    )
     assert "use_distributed_optimizer=True" in refused(use_distributed_optimizer=True)
 
 

@@ -4,10 +4,12 @@ rank start from DP rank 0's weights."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_testkit import STRATEGIES, TinyTransformer, Trainer, full_weights, named_weights, wrap
+from fsdp_testkit import STRATEGIES, TinyTransformer, Trainer, full_weights, named_weights, shard_index, wrap
 from torch.distributed.tensor import DTensor
 
 from gradsync.groups.testing import run_distributed
@@ -49,13 +51,73 @@ def broadcast(strategy: str) -> dict[str, torch.Tensor]:
     return full_weights(model)
 
 
+def initial(seed: int) -> dict[str, torch.Tensor]:
+    return named_weights(TinyTransformer(seed=seed))
+
+
+def assert_mix_of(weights: dict[str, torch.Tensor], seeds: tuple[int, int]) -> None:
+    """Every element is one of the two seeds' initial values at that place, and each seed gives some: the
+    gathered model of a shard group whose two ranks started from these seeds (computed here, apart from
+    any broadcast)."""
+    a, b = initial(seeds[0]), initial(seeds[1])
+    assert all(((weights[k] == a[k]) | (weights[k] == b[k])).all() for k in a)
+    assert any((weights[k] == a[k]).any() for k in a)
+    assert any(((weights[k] == b[k]) & (a[k] != b[k])).any() for k in a)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_broadcast_params_gives_every_rank_rank_0s_weights(strategy: str) -> None:
-    """Under ZeRO-3 no rank keeps its whole initial model (each keeps its shard of it), so the ranks agree
-    on the gathered model; the others replicate rank 0's."""
+    """Without ZeRO-3 every rank gets rank 0's initial model. Under ZeRO-3 no rank keeps its whole initial
+    model (each keeps its shard of it), so what rank 0 holds, and every rank gets, is its shard group's
+    gathered model: rank 0's rows of seed 0 and rank 1's of seed 1. (On one shard group the gather alone
+    makes the ranks agree; the test below, with two replicas, is the one a broadcast that does nothing
+    fails.)"""
     ranks = run_distributed(broadcast, 2, args=(strategy,))
-    want = ranks[0] if strategy == "optim_grads_params" else named_weights(TinyTransformer(seed=0))
-    rank_1_init = named_weights(TinyTransformer(seed=1))
     for weights in ranks:
-        assert all(torch.equal(weights[k], want[k]) for k in want)
-        assert not all(torch.equal(weights[k], rank_1_init[k]) for k in want)
+        if strategy == "optim_grads_params":
+            assert_mix_of(weights, (0, 1))
+            assert all(torch.equal(weights[k], ranks[0][k]) for k in weights)
+        else:
+            want = initial(0)
+            assert all(torch.equal(weights[k], want[k]) for k in want)
+
+
+def replicas_broadcast() -> dict[str, dict[str, Any]]:
+    """Two replicas of a 2-rank shard group (HSDP, outer no_shard), every rank from its own seed (shard
+    rank + 10 x replica), broadcast; and, as the oracle, another build in which every replica starts as
+    replica 0 does (seed = shard rank) and nothing is broadcast."""
+    index = shard_index(outer=2)
+    outer = index.get_outer_fsdp_group()
+    assert outer is not None
+    shard_rank, replica = index.get_fsdp_group().rank(), outer.rank()
+    results: dict[str, dict[str, Any]] = {"where": {"shard": shard_rank, "replica": replica}}
+    for strategy in STRATEGIES:
+        model = wrap(strategy, seed=shard_rank + 10 * replica, outer=2)
+        model.broadcast_params()
+        oracle = wrap(strategy, seed=shard_rank, outer=2)
+        results[strategy] = {"got": full_weights(model), "oracle": full_weights(oracle)}
+    return results
+
+
+def test_broadcast_params_reaches_every_replica() -> None:
+    """DP rank 0 (shard rank 0 of replica 0) started from seed 0, its shard peer from seed 1, replica 1's
+    ranks from seeds 10 and 11. After the broadcast every rank of both replicas holds what rank 0 held:
+    seed 0's model without ZeRO-3, the seed-0 / seed-1 gathered model under ZeRO-3 (the oracle build,
+    itself checked here against the seeds)."""
+    ranks = run_distributed(replicas_broadcast, 4)
+    assert ranks[0]["where"] == {"shard": 0, "replica": 0}
+    assert sorted((r["where"]["replica"], r["where"]["shard"]) for r in ranks) == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
+    for strategy in STRATEGIES:
+        if strategy == "optim_grads_params":
+            want = ranks[0][strategy]["oracle"]
+            assert_mix_of(want, (0, 1))
+        else:
+            want = initial(0)
+        for rank in ranks:
+            got = rank[strategy]["got"]
+            assert all(torch.equal(got[k], want[k]) for k in want), strategy

@@ -1,10 +1,14 @@
 """Which allocators a model's buckets use, from the constructor's flags (spec fsdp.md §4.3).
 
 Without double buffering: storage-resize for ZeRO-3's gathered weights, temporary for ZeRO-2/3's
-unreduced grads. With ``fsdp_double_buffer`` (or ``nccl_ub``, which implies it) each kind gets a
-:class:`DoubleBufferAllocator` over the FSDP units, with the dynamic allocator as its fallback for buckets
-that are not shaped like the most common unit. With ``nccl_ub`` the double buffers come from an NCCL
-memory pool registered on the shard group; fallback buffers stay ordinary (unregistered) memory.
+unreduced grads. With ``fsdp_double_buffer`` (or ``nccl_ub``, which implies it) each kind ZeRO-2/3
+allocates per use gets a :class:`DoubleBufferAllocator` over the FSDP units, with the dynamic allocator as
+its fallback for buckets that are not shaped like the most common unit; with
+``megatron_fsdp_max_pool_double_buffer`` a :class:`MaxPoolDoubleBufferAllocator` instead, which every unit
+fits. ``fsdp_db_use_persist_buf_on_alloc_fail`` makes the fallback a :class:`PersistentBucketAllocator`.
+``no_shard`` and ``optim`` allocate no whole-bucket buffer per use, so double buffering leaves them as they
+are. With ``nccl_ub`` the double buffers come from an NCCL memory pool registered on the shard group;
+fallback buffers (persistent ones too) stay ordinary (unregistered) memory.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from .allocators import (
     BucketAllocator,
     BufferRequest,
     DoubleBufferAllocator,
+    MaxPoolDoubleBufferAllocator,
     MemoryContext,
+    PersistentBucketAllocator,
     StorageResizeBucketAllocator,
     TemporaryBucketAllocator,
     UnitBuckets,
@@ -42,8 +48,9 @@ def choose_allocators(
     device: torch.device,
 ) -> tuple[BucketAllocators, NcclUserBufferPool | None]:
     """The allocators for ``specs`` (laid out as ``layouts``), and the NCCL pool when ``nccl_ub``."""
-    if not (config.fsdp_double_buffer or config.nccl_ub):
-        return BucketAllocators.dynamic(), None
+    buffered = config.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+    if not (config.fsdp_double_buffer or config.nccl_ub) or not buffered:
+        return BucketAllocators.dynamic(), None  # no_shard / optim: nothing to double-buffer
     pool = None
     context: MemoryContext = contextlib.nullcontext
     if config.nccl_ub:
@@ -67,10 +74,16 @@ def choose_allocators(
 
     weight_dtypes = {i: spec.dtype for i, spec in enumerate(specs)}
     grad_dtypes = {i: policy.comm_dtype(spec.dtype) for i, spec in enumerate(specs) if spec.requires_grad}
+    pool_kind = (
+        MaxPoolDoubleBufferAllocator if config.megatron_fsdp_max_pool_double_buffer else DoubleBufferAllocator
+    )
+    persistent = config.fsdp_db_use_persist_buf_on_alloc_fail
     weights: BucketAllocator = StorageResizeBucketAllocator()
     if config.data_parallel_sharding_strategy == "optim_grads_params":
-        weights = DoubleBufferAllocator("weight", units(weight_dtypes), weights, context)
-    grads = DoubleBufferAllocator("grad", units(grad_dtypes), TemporaryBucketAllocator(), context)
+        fallback = PersistentBucketAllocator() if persistent else weights
+        weights = pool_kind("weight", units(weight_dtypes), fallback, context)
+    grad_fallback = PersistentBucketAllocator() if persistent else TemporaryBucketAllocator()
+    grads = pool_kind("grad", units(grad_dtypes), grad_fallback, context)
     if pool is not None:
         pool.register()
     return BucketAllocators(weights, grads), pool

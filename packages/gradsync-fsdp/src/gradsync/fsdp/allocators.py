@@ -1,13 +1,17 @@
 """Where a bucket's temporary communication buffers come from (spec fsdp.md §4).
 
 A bucket asks its allocator for a whole-bucket buffer when it needs one (ZeRO-3's gathered weights,
-ZeRO-2/3's unreduced grads) and gives it back when done. Three policies:
+ZeRO-2/3's unreduced grads) and gives it back when done. The policies:
 
 - :class:`TemporaryBucketAllocator` allocates a fresh tensor per use and frees it after;
 - :class:`StorageResizeBucketAllocator` keeps one tensor object per bucket and resizes its storage to 0
   and back, so views taken once (the module's params) follow it;
 - :class:`DoubleBufferAllocator` (``fsdp_double_buffer``) holds two persistent slot groups shaped like
-  the most common unit and hands them to units in turn: no allocation at all after construction.
+  the most common unit and hands them to units in turn: no allocation at all after construction;
+- :class:`MaxPoolDoubleBufferAllocator` (``megatron_fsdp_max_pool_double_buffer``) sizes the two slot
+  groups by the largest bucket at each position over every unit, so every unit fits in them;
+- :class:`PersistentBucketAllocator` (``fsdp_db_use_persist_buf_on_alloc_fail``) is the double buffers'
+  fallback for buckets that do not fit them: a buffer per bucket allocated once and kept for good.
 
 Every allocator counts allocations and live / peak bytes (:class:`AllocatorStats`), so tests and
 benchmarks read what each policy costs instead of guessing it from RSS.
@@ -140,6 +144,35 @@ class StorageResizeBucketAllocator(BucketAllocator):
             tensor.untyped_storage().resize_(0)
 
 
+class PersistentBucketAllocator(BucketAllocator):
+    """A buffer per bucket, allocated at its first use and kept for good (:meth:`free` keeps it): what
+    ``fsdp_db_use_persist_buf_on_alloc_fail`` gives the buckets that do not fit a double buffer, instead
+    of a temporary one per use. It trades memory for no allocation after the first step; the tensor
+    object never changes, so views of it (the params) stay valid."""
+
+    kind = "persistent"
+
+    def __init__(self, memory_context: MemoryContext = contextlib.nullcontext) -> None:
+        super().__init__(memory_context)
+        self._tensors: dict[int, torch.Tensor] = {}
+
+    def allocate(self, bucket_id: int, request: BufferRequest) -> torch.Tensor:
+        tensor = self._tensors.get(bucket_id)
+        if tensor is not None and (tensor.numel(), tensor.dtype, tensor.device) == (
+            request.size,
+            request.dtype,
+            request.device,
+        ):
+            return tensor
+        if tensor is not None:  # the bucket now needs another buffer: the old one goes
+            self.stats.shrank(tensor.untyped_storage().nbytes())
+        tensor = self._tensors[bucket_id] = self._new(request)
+        return tensor
+
+    def free(self, bucket_id: int) -> None:
+        """Kept: the next :meth:`allocate` of the bucket returns the same tensor."""
+
+
 @dataclass(frozen=True)
 class UnitBuckets:
     """The buckets of one FSDP unit in order, and the buffer each needs."""
@@ -179,19 +212,25 @@ class DoubleBufferAllocator(BucketAllocator):
                 "fsdp_unit_modules, or turn fsdp_double_buffer (and nccl_ub) off"
             )
         self.what, self.fallback = what, fallback
+        self.slot_requests, self._offset_of = self._plan(units)
+        self.slots = [[self._new(r) for r in self.slot_requests] for _ in range(self.GROUPS)]
+        self._views: dict[tuple[int, int, int], torch.Tensor] = {}  # (group, offset, size): a slot's head
+        self._holder: list[int | None] = [None] * self.GROUPS  # unit id per group
+        self._in_use: list[set[int]] = [set() for _ in range(self.GROUPS)]  # offsets per group
+        self._home: dict[int, int] = {}  # a unit's group for good
+
+    @staticmethod
+    def _plan(units: Sequence[UnitBuckets]) -> tuple[tuple[BufferRequest, ...], dict[int, tuple[int, int]]]:
+        """The slots of one group, and each pooled bucket's (unit id, slot offset): the mode's buckets."""
         signatures = Counter(u.requests for u in units)
         mode, _ = max(signatures.items(), key=lambda item: item[1])  # first-seen wins ties
-        self.slot_requests = mode
-        self._offset_of = {
+        offset_of = {
             bucket_id: (u.unit_id, offset)
             for u in units
             if u.requests == mode
             for offset, bucket_id in enumerate(u.bucket_ids)
         }
-        self.slots = [[self._new(r) for r in mode] for _ in range(self.GROUPS)]
-        self._holder: list[int | None] = [None] * self.GROUPS  # unit id per group
-        self._in_use: list[set[int]] = [set() for _ in range(self.GROUPS)]  # offsets per group
-        self._home: dict[int, int] = {}  # a unit's group for good
+        return mode, offset_of
 
     def pooled(self, bucket_id: int) -> bool:
         return bucket_id in self._offset_of
@@ -217,10 +256,28 @@ class DoubleBufferAllocator(BucketAllocator):
                 "backward and its grads once they are reduced; turn fsdp_double_buffer off for schedules "
                 "that hold more"
             )
+        slot = self._slot(group, offset, bucket_id, request)
         self._holder[group] = unit_id
         self._home.setdefault(unit_id, group)
         self._in_use[group].add(offset)
-        return self.slots[group][offset]
+        return slot
+
+    def _slot(self, group: int, offset: int, bucket_id: int, request: BufferRequest) -> torch.Tensor:
+        """The slot itself, or (max-pool slots) the same view of its first ``request.size`` elements."""
+        slot = self.slots[group][offset]
+        if request.size == slot.numel() and request.dtype == slot.dtype:
+            return slot
+        if request.size > slot.numel() or request.dtype != slot.dtype or request.device != slot.device:
+            raise RuntimeError(
+                f"MegatronFSDP ({self.kind}): bucket {bucket_id} asks for {request.size} {request.dtype} "
+                f"elements on {request.device}, but its {self.what} slot holds {slot.numel()} "
+                f"{slot.dtype} on {slot.device}"
+            )
+        key = (group, offset, request.size)
+        view = self._views.get(key)
+        if view is None:  # one tensor object per use, so params viewing it are not re-pointed each time
+            view = self._views[key] = slot[: request.size]
+        return view
 
     def free(self, bucket_id: int) -> None:
         if not self.pooled(bucket_id):
@@ -253,3 +310,46 @@ class DoubleBufferAllocator(BucketAllocator):
 
     def all_stats(self) -> dict[str, AllocatorStats]:
         return {self.kind: self.stats, **self.fallback.all_stats()}
+
+
+class MaxPoolDoubleBufferAllocator(DoubleBufferAllocator):
+    """``megatron_fsdp_max_pool_double_buffer``: two slot groups that every unit fits, for models whose
+    units differ (hybrids, first and last layers of other shapes).
+
+    Per dtype, each unit's buckets are taken largest first and matched by position to the slots of that
+    dtype; a slot is as large as the largest bucket ever matched to it, and there are as many slots of a
+    dtype as the unit with most buckets of it has. A bucket gets the first ``size`` elements of its slot
+    (the same view every time it holds that slot). Every unit bucket is pooled; only buckets outside units
+    go to ``fallback``. Lending, pinning and refusals are the double buffer's: at most two units at once,
+    each in the group it got first.
+    """
+
+    kind = "max_pool_double_buffer"
+
+    @staticmethod
+    def _plan(units: Sequence[UnitBuckets]) -> tuple[tuple[BufferRequest, ...], dict[int, tuple[int, int]]]:
+        sizes: dict[tuple[torch.dtype, torch.device], list[int]] = {}  # per dtype: slot sizes by position
+        position: dict[int, tuple[tuple[torch.dtype, torch.device], int]] = {}  # bucket -> (dtype, position)
+        unit_of: dict[int, int] = {}
+        for unit in units:
+            by_dtype: dict[tuple[torch.dtype, torch.device], list[tuple[int, int]]] = {}
+            for bucket_id, request in zip(unit.bucket_ids, unit.requests, strict=True):
+                by_dtype.setdefault((request.dtype, request.device), []).append((request.size, bucket_id))
+                unit_of[bucket_id] = unit.unit_id
+            for key, buckets in by_dtype.items():
+                maxima = sizes.setdefault(key, [])
+                buckets.sort(key=lambda b: -b[0])  # largest first; ties keep the unit's order
+                maxima.extend([0] * (len(buckets) - len(maxima)))
+                for index, (size, bucket_id) in enumerate(buckets):
+                    maxima[index] = max(maxima[index], size)
+                    position[bucket_id] = (key, index)
+        first: dict[tuple[torch.dtype, torch.device], int] = {}  # each dtype's first offset in a group
+        slots: list[BufferRequest] = []
+        for (dtype, device), maxima in sizes.items():
+            first[(dtype, device)] = len(slots)
+            slots += [BufferRequest(size, dtype, device) for size in maxima]
+        offset_of = {
+            bucket_id: (unit_of[bucket_id], first[key] + index)
+            for bucket_id, (key, index) in position.items()
+        }
+        return tuple(slots), offset_of

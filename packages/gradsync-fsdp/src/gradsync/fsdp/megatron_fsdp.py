@@ -86,6 +86,7 @@ class MegatronFSDP(nn.Module):
         module: nn.Module,
         dist_index: FSDPDistributedIndex,
         ddp_config: DistributedDataParallelConfig | None = None,
+        mixed_precision_policy: MixedPrecisionPolicy | None = None,
         fsdp_unit_modules: Sequence[UnitEntry] | None = None,
         disable_bucketing: bool = False,
         device: torch.device | None = None,
@@ -95,23 +96,35 @@ class MegatronFSDP(nn.Module):
         keep_fp8_transpose_cache: bool = False,
         nccl_ub: bool = False,
         fsdp_double_buffer: bool = False,
+        fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
         disable_symmetric_registration: bool = False,
-        mixed_precision_policy: MixedPrecisionPolicy | None = None,
+        enable_fine_grained_param_gather_hook: bool = False,
+        enable_fine_grained_param_gather_backward_hook: bool = False,
+        fine_grained_recurse_module_types: tuple[type[nn.Module], ...] | None = None,
+        report_nan_in_param_grad: bool = False,
         *,
         param_init_fn: ParamInitFn | None = None,
-        report_nan_in_param_grad: bool = False,
     ) -> None:
-        """``init_model_with_meta_device``: ``module`` was built on the meta device; it is materialised
-        module by module into the shards (:mod:`gradsync.fsdp.meta_init`), by ``param_init_fn(module)``
-        (gradsync's addition) or each module's ``reset_parameters()``. ``report_nan_in_param_grad``
-        checks every param's grad as it arrives (a host sync per param: for debugging) and names the
-        params in the NaN check that runs on every rank before each reduction."""
+        """Arguments in the reference's order (spec fsdp.md §1.2). ``mixed_precision_policy`` None: the
+        one ``ddp_config`` describes. ``init_model_with_meta_device``: ``module`` was built on the meta
+        device; it is materialised module by module into the shards (:mod:`gradsync.fsdp.meta_init`), by
+        ``param_init_fn(module)`` (gradsync's addition) or each module's ``reset_parameters()``.
+        ``report_nan_in_param_grad`` checks every param's grad as it arrives (a host sync per param: for
+        debugging) and names the params in the NaN check that runs on every rank before each reduction.
+        The fine-grained gather hooks are not built (``NotImplementedError`` when asked for)."""
         super().__init__()
+        if enable_fine_grained_param_gather_hook or enable_fine_grained_param_gather_backward_hook:
+            raise NotImplementedError(
+                "MegatronFSDP: enable_fine_grained_param_gather_hook / _backward_hook (per-submodule "
+                "gathers) are not implemented by gradsync-fsdp; leave them False (units gather whole)"
+            )
+        del fine_grained_recurse_module_types  # only read by the fine-grained hooks
         if ddp_config is None:
             ddp_config = dataclasses.replace(
                 default_fsdp_config(),
                 nccl_ub=nccl_ub,
                 fsdp_double_buffer=fsdp_double_buffer or nccl_ub,
+                fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
                 keep_fp8_transpose_cache=keep_fp8_transpose_cache,
                 disable_symmetric_registration=disable_symmetric_registration,
             )
@@ -120,6 +133,7 @@ class MegatronFSDP(nn.Module):
             keywords = {
                 "nccl_ub": nccl_ub,
                 "fsdp_double_buffer": fsdp_double_buffer,
+                "fsdp_db_use_persist_buf_on_alloc_fail": fsdp_db_use_persist_buf_on_alloc_fail,
                 "keep_fp8_transpose_cache": keep_fp8_transpose_cache,
                 "disable_symmetric_registration": disable_symmetric_registration,
             }

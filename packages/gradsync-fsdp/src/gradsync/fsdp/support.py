@@ -28,8 +28,6 @@ BUILT_CUDA_ONLY_FIELDS = ("nccl_ub", "disable_symmetric_registration")
 """The CUDA-only fields gradsync-fsdp implements (on CUDA with NCCL)."""
 
 NOT_YET_FIELDS = (
-    "fsdp_db_use_persist_buf_on_alloc_fail",
-    "megatron_fsdp_max_pool_double_buffer",
     "megatron_fsdp_use_decoupled_grad",
     "megatron_fsdp_enable_fine_grained_param_gather",
     "num_distributed_optimizer_instances",
@@ -87,21 +85,29 @@ def refuse_unsupported(
 
 
 def _check_buffering(config: DistributedDataParallelConfig) -> None:
-    """Double buffers (and the NCCL user buffers inside them) replace the whole-bucket buffers that ZeRO-2/3
-    allocate per use; the other strategies allocate none."""
+    """Double buffers replace the whole-bucket grads and weights that ZeRO-2/3 allocate per use; ``no_shard``
+    and ``optim`` allocate none, so ``fsdp_double_buffer`` (and ``megatron_fsdp_max_pool_double_buffer``,
+    which implies it) is a no-op there, accepted as the reference accepts it. Refused: what only modifies an
+    option that is off (``disable_symmetric_registration`` without ``nccl_ub``,
+    ``fsdp_db_use_persist_buf_on_alloc_fail`` without double buffering), and NCCL user buffers where there
+    is nothing of gradsync's to register (``nccl_ub`` registers the double buffers only)."""
     if config.disable_symmetric_registration and not config.nccl_ub:
         raise ValueError(
             "MegatronFSDP: disable_symmetric_registration=True only applies with nccl_ub=True; set it back "
             "to False or turn nccl_ub on"
         )
-    buffered = [name for name in ("fsdp_double_buffer", "nccl_ub") if getattr(config, name)]
-    strategy = config.data_parallel_sharding_strategy
-    if buffered and strategy not in ("optim_grads", "optim_grads_params"):
+    if config.fsdp_db_use_persist_buf_on_alloc_fail and not config.fsdp_double_buffer:
         raise ValueError(
-            f"MegatronFSDP: {' and '.join(f'{n}=True' for n in buffered)} buffers the whole-bucket grads and "
-            f"weights that 'optim_grads' and 'optim_grads_params' allocate per use; "
-            f"data_parallel_sharding_strategy={strategy!r} allocates none. Use one of those, or turn "
-            f"{' and '.join(buffered)} off"
+            "MegatronFSDP: fsdp_db_use_persist_buf_on_alloc_fail=True only chooses where buckets that do not "
+            "fit the double buffers go; set it back to False or turn fsdp_double_buffer on"
+        )
+    strategy = config.data_parallel_sharding_strategy
+    if config.nccl_ub and strategy not in ("optim_grads", "optim_grads_params"):
+        raise ValueError(
+            "MegatronFSDP: nccl_ub=True registers the double buffers of the whole-bucket grads and weights "
+            f"that 'optim_grads' and 'optim_grads_params' allocate per use; "
+            f"data_parallel_sharding_strategy={strategy!r} allocates none, so nothing would be registered. "
+            "Use one of those, or turn nccl_ub off"
         )
 
 

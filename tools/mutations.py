@@ -1,0 +1,171 @@
+# ruff: noqa: INP001 (a script, not a package)
+"""Mutation check: every behaviour listed in ``tools/mutations.json`` is guarded by a test that fails when
+the behaviour is broken.
+
+Each entry names a source file, an exact piece of its text, a replacement that breaks the behaviour, and
+the pytest node ids that guard it. The script copies ``packages/`` to a temporary directory once, points
+``PYTHONPATH`` at the copy's sources (so the installed packages, editable or not, are shadowed), checks
+that the copy is what gets imported, runs every guard once unmutated (it must pass), and then for each
+mutation: replaces the text in the copy (it must occur exactly once, so a stale entry fails loudly),
+runs the guards, and puts the original back. The working tree is never written. A mutation is killed
+when pytest reports failed tests (exit status 1); one whose guards pass survived, and any other status
+(collection error, unknown node id, timeout) is an error. Exit status 0 only if every mutation was
+killed.
+
+    python tools/mutations.py                 # every listed mutation
+    python tools/mutations.py -k watchdog     # those whose name contains "watchdog"
+    python tools/mutations.py --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LISTED = ROOT / "tools" / "mutations.json"
+PACKAGES = ("groups", "buffers", "ddp", "fsdp", "finalize")
+IGNORED = shutil.ignore_patterns("__pycache__", ".pytest_cache", ".hypothesis", "*.egg-info", "build", "dist")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str
+    original: str
+    replacement: str
+    guards: tuple[str, ...]
+
+
+def load(path: Path) -> list[Mutation]:
+    mutations = []
+    for entry in json.loads(path.read_text()):
+        guards = entry["guards"]
+        if not guards or not all(isinstance(g, str) and "::" in g for g in guards):
+            raise SystemExit(f"{path}: {entry['name']!r} needs pytest node ids as guards, got {guards!r}")
+        if len({g.split("/tests/")[0] for g in guards}) != 1:
+            raise SystemExit(
+                f"{path}: {entry['name']!r}: guards from one package's tests, please (module names repeat)"
+            )
+        if entry["original"] == entry["replacement"]:
+            raise SystemExit(f"{path}: {entry['name']!r} replaces its text with itself")
+        mutations.append(
+            Mutation(entry["name"], entry["file"], entry["original"], entry["replacement"], tuple(guards))
+        )
+    return mutations
+
+
+def src_path(root: Path) -> str:
+    return os.pathsep.join(str(root / "packages" / f"gradsync-{p}" / "src") for p in PACKAGES)
+
+
+def pytest(copy: Path, env: dict[str, str], nodes: tuple[str, ...], timeout: float) -> tuple[int, str]:
+    """Run ``nodes`` in ``copy``; the exit status (124 on timeout) and the tail of the output."""
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *nodes]
+    try:
+        result = subprocess.run(
+            command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return 124, f"timed out after {timeout:g} s"
+    return result.returncode, "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
+
+
+def check_imports_from(copy: Path, env: dict[str, str]) -> None:
+    probe = "import " + ", ".join(f"gradsync.{p}" for p in PACKAGES) + "; import sys; "
+    probe += "print('\\n'.join(sys.modules[f'gradsync.{p}'].__file__ for p in " + repr(PACKAGES) + "))"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    stray = [line for line in out.stdout.split() if not Path(line).resolve().is_relative_to(copy.resolve())]
+    if stray:
+        raise SystemExit(f"the copy does not shadow the installed packages; imported {stray}")
+
+
+def apply(copy: Path, mutation: Mutation) -> str:
+    """Mutate the copy's file; returns its original text."""
+    path = copy / mutation.file
+    text = path.read_text()
+    found = text.count(mutation.original)
+    if found != 1:
+        raise ValueError(f"{mutation.file}: the original text occurs {found} times (must be once)")
+    path.write_text(text.replace(mutation.original, mutation.replacement))
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--file", type=Path, default=LISTED, help="the listed mutations (JSON)")
+    parser.add_argument("-k", dest="select", default="", help="only mutations whose name contains this")
+    parser.add_argument(
+        "--list", action="store_true", help="list the mutations and their guards, run nothing"
+    )
+    parser.add_argument("--no-baseline", action="store_true", help="skip running the guards unmutated first")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show how each guard failed")
+    args = parser.parse_args()
+
+    mutations = [m for m in load(args.file) if args.select in m.name]
+    if args.list:
+        for m in mutations:
+            print(f"{m.name}\n    {m.file}\n    guards: {', '.join(m.guards)}")
+        return 0
+    if not mutations:
+        raise SystemExit(f"no mutation in {args.file} matches {args.select!r}")
+
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="gradsync-mutations-") as tmp:
+        copy = Path(tmp)
+        shutil.copytree(ROOT / "packages", copy / "packages", ignore=IGNORED)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src_path(copy), env.get("PYTHONPATH", "")) if p)
+        check_imports_from(copy, env)
+
+        if not args.no_baseline:  # one pytest run per package, as nox runs them (test module names repeat)
+            by_package: dict[str, list[str]] = {}
+            for guard in dict.fromkeys(g for m in mutations for g in m.guards):
+                by_package.setdefault(guard.split("/tests/")[0], []).append(guard)
+            for package, guards in by_package.items():
+                rc, tail = pytest(copy, env, tuple(guards), args.timeout)
+                if rc != 0:
+                    print(f"{package}: the guards fail without any mutation (pytest exit {rc}):\n{tail}")
+                    return 1
+            count = sum(len(g) for g in by_package.values())
+            print(f"baseline: {count} guards pass unmutated ({time.monotonic() - started:.0f} s)")
+
+        failures = []
+        for m in mutations:
+            t0 = time.monotonic()
+            try:
+                original = apply(copy, m)
+            except ValueError as error:
+                failures.append(m.name)
+                print(f"ERROR     {m.name}: {error}")
+                continue
+            try:
+                rc, tail = pytest(copy, env, m.guards, args.timeout)
+            finally:
+                (copy / m.file).write_text(original)
+            took = time.monotonic() - t0
+            if rc == 1:
+                print(f"killed    {m.name} ({took:.0f} s)" + (f"\n{tail}\n" if args.verbose else ""))
+                continue
+            failures.append(m.name)
+            verdict = "SURVIVED" if rc == 0 else f"ERROR (pytest exit {rc})"
+            print(f"{verdict:9} {m.name} ({took:.0f} s): {m.file}, guards {', '.join(m.guards)}\n{tail}")
+
+    total = time.monotonic() - started
+    print(f"{len(mutations) - len(failures)} of {len(mutations)} mutations killed in {total:.0f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
