@@ -99,3 +99,36 @@ def test_params_tied_across_units_train_like_one_process(
         assert got.keys() == want.keys()
         for name, value in want.items():
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=f"{name} on rank {rank}")
+
+
+class ReusedSubmodule(nn.Module):
+    """A unit's submodule registered again on the root and used after the units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.tail = self.blocks[0].norm
+        self.head = nn.Linear(DIM, VOCAB)
+        self.to(test_device())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.tail(x))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def loss_with_reused_submodule() -> tuple[float, list[int | None]]:
+    model = MegatronFSDP(ReusedSubmodule(), shard_index(), fsdp_unit_modules=[Block])  # ZeRO-3
+    tokens = local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]
+    return float(model(tokens)), [model._locate(p)[0].spec.unit_id for p in model.module.tail.parameters()]
+
+
+def test_a_submodule_reused_outside_its_unit_leaves_the_unit() -> None:
+    for rank, (loss, units) in enumerate(run_distributed(loss_with_reused_submodule, 2)):
+        tokens = local_microbatches(0, rank, 2, 1)[0]
+        assert loss == pytest.approx(float(ReusedSubmodule()(tokens)), rel=1e-6)
+        assert units == [None, None]

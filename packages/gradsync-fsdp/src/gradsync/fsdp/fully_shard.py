@@ -144,7 +144,8 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
     the updated weights after, and ``optimizer.zero_grad()`` also zero the grad buffers. The state is
     materialised and its state dict described for ``torch.distributed.checkpoint``. In place."""
     model = _model_of(optimizer)
-    materialize_optimizer_state(optimizer)
+    materialize_optimizer_state(optimizer)  # a step with zero grads and lr 0: not a training step
+    model.zero_grad_buffer()
     optimizer.register_state_dict_post_hook(_describe_state)
     base_step, base_zero_grad = optimizer.step, optimizer.zero_grad
 

@@ -308,6 +308,7 @@ class MegatronFSDP(nn.Module):
         """Every param whole, as plain CPU tensors keyed like the wrapped module's own state dict (tied
         aliases included), for inference or export. A collective: every rank of the shard group calls it;
         with ``rank0_only`` only the group's rank 0 gets the tensors, the others an empty dict."""
+        self._install_if_stepped()
         keep = not rank0_only or self.dist_index.get_dp_group().rank() == 0
         with self._registry.compute_shown():
             state = self.module.state_dict(keep_vars=True)
@@ -384,8 +385,7 @@ class MegatronFSDP(nn.Module):
         weakref.finalize(self, _detach_from_params, grad_hooks, list(self.param_to_name))
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
-        if self._stepped:
-            self.install_optimized_model_weights()
+        self._install_if_stepped()
         self._replace_param_with_raw_if_needed()
         if self.sharding.name == "no_shard":
             return
@@ -500,6 +500,7 @@ class MegatronFSDP(nn.Module):
     ) -> None:
         """Gather the compute weights of ``params`` (and, with ``prefetch``, the next unit in
         ``prefetch_order``), waiting for them when ``wait_bucket_ready``."""
+        self._install_if_stepped()
         buckets = sorted({self._locate(p)[0].bucket_id for p in params})
         for bucket_id in buckets:
             self.buckets[bucket_id].launch_gather()
@@ -519,6 +520,7 @@ class MegatronFSDP(nn.Module):
         the first weights (ZeRO-3); wait for them when ``force_sync`` or ``overlap_param_gather`` is off.
         With overlap and ``fsdp_all_gather_in_start_param_sync=False`` it starts none: the forward
         gathers each bucket as it comes."""
+        self._install_if_stepped()
         if self.sharding.name == "no_shard":
             return
         overlapped = self.ddp_config.overlap_param_gather and not force_sync
@@ -569,8 +571,8 @@ class MegatronFSDP(nn.Module):
         self.attach_grad_to_optimizer_state()
         self.microbatch_count = 0
         self._grads_finished = True
-        self._forwards_awaiting_backward = 0  # the cycle is over: a forward never backpropagated is dropped
-        self._replace_param_with_distributed_if_needed()
+        if not self._forwards_awaiting_backward:  # a later backward may still recompute (auto-sync)
+            self._replace_param_with_distributed_if_needed()
 
     def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
         """Multiply every grad by ``scaling_factor``: the buffers, and attached grads that are copies."""
@@ -588,6 +590,8 @@ class MegatronFSDP(nn.Module):
     def zero_grad_buffer(self) -> None:
         """Zero the grad buffers and drop the optimizer params' grads; call once per optimizer step."""
         self._reductions.new_cycle()
+        self._forwards_awaiting_backward = 0  # the cycle is over: a forward never backpropagated is dropped
+        self._replace_param_with_distributed_if_needed()
         for bucket in self.buckets:
             bucket.zero_grad()
         for params in self._optimizer_params:
@@ -597,6 +601,12 @@ class MegatronFSDP(nn.Module):
         for bucket in self.buckets:
             bucket.communicated_bytes = 0
         telemetry.next_step()
+
+    def _install_if_stepped(self) -> None:
+        """Weights are read or gathered: bring an optimizer step in first (the flag is the same on every
+        rank, so every rank installs)."""
+        if self._stepped:
+            self.install_optimized_model_weights()
 
     def install_optimized_model_weights(self) -> None:
         """Copy the optimizer's updated weights into the compute weights; ZeRO-1/2 replicas are gathered
@@ -611,6 +621,7 @@ class MegatronFSDP(nn.Module):
         """Make every rank's weights DP rank 0's: gather each bucket whole, broadcast it, re-shard. Under
         ZeRO-3 each rank kept only its shard of its own initial weights, so what is broadcast is the
         gathered model: build identical models (same seed) or load a state dict to start from one."""
+        self._install_if_stepped()
         group = self.dist_index.get_dp_group()  # every replica, outer ones included
         src = dist.get_global_rank(group, 0)
         for bucket in self.buckets:
@@ -642,10 +653,12 @@ class MegatronFSDP(nn.Module):
             self.set_model_auto_sync(previous)
 
     def mark_stepped(self) -> None:
-        """An optimizer updated the params: the next forward installs the weights unless
-        ``install_optimized_model_weights()`` runs first. torch optimizers call it by themselves; call it
-        after an update made any other way."""
+        """An optimizer updated the params: the next forward (or weight read) installs the weights unless
+        ``install_optimized_model_weights()`` runs first, and no grad may arrive before
+        ``zero_grad_buffer()``. torch optimizers call it by themselves; call it after an update made any
+        other way."""
         self._stepped = True
+        self._reductions.stepped = True
 
     def set_model_auto_sync(self, sync_model: bool = True) -> None:
         """With auto-sync every backward reduces and ends with ``finish_grad_sync()``."""

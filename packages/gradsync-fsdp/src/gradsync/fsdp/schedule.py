@@ -86,10 +86,18 @@ class ReduceSchedule:
         self._outer_pending: set[int] = set()  # HSDP: inner-reduced this cycle, the outer stage not run
         self._reduced_this_cycle: set[int] = set()  # the cycle's final reduction ran
         self.in_flight: list[tuple[Launched, int]] = []  # (launched reduction, its elements)
+        # Launch order, the same on every rank whatever order grads arrive in (a param without a grad on
+        # one rank must not let that rank pair other buckets' collectives with the wrong ones elsewhere):
+        # reverse bucket order, as a backward completes them.
+        self._launch_order = [b.bucket_id for b in reversed(buckets) if b.spec.requires_grad]
+        self._next_launch = 0
+        self._launchable: set[int] = set()
+        self.stepped = False  # an optimizer stepped since the last new_cycle(): grads must not arrive
 
     # --- grads arriving ------------------------------------------------------------------------------
     def add_grad(self, bucket: FlatParamBucket, index: int, grad: torch.Tensor) -> None:
         """Accumulate item ``index``'s grad of this backward; reduce the bucket once it is complete."""
+        self._refuse_after_step()
         if bucket.bucket_id in self._reduced_this_cycle:
             self._reopen(bucket)
         if not bucket.can_take_grads():
@@ -105,6 +113,7 @@ class ReduceSchedule:
         """Every grad bucket not completed by its grads (a param got no grad on this rank) completes now,
         in bucket order so every rank posts the same collectives (a bucket reduced earlier in the cycle
         is reopened too: another rank may have grads for it); then every reduction is waited."""
+        self._refuse_after_step()  # before any collective, on every rank (those with grads raised already)
         for bucket in self.buckets:
             if not bucket.spec.requires_grad or bucket.bucket_id in self._completed:
                 continue
@@ -112,7 +121,17 @@ class ReduceSchedule:
                 self._reopen(bucket)
             self._complete(bucket)
         self._completed.clear()
+        self._next_launch = 0
         self.wait_all()
+
+    def _refuse_after_step(self) -> None:
+        if self.stepped:
+            raise RuntimeError(
+                "MegatronFSDP: a backward ran after an optimizer step without zero_grad_buffer(): the grad "
+                "buffers still hold the stepped grads, and adding to them would count those twice. Call "
+                "model.zero_grad_buffer() (optimizer.zero_grad() does it with fully_shard_optimizer / "
+                "fully_shard) before the next step's first backward"
+            )
 
     def _reopen(self, bucket: FlatParamBucket) -> None:
         """Accumulation after the cycle's final reduction (every microbatch synced, as torch DDP and FSDP2
@@ -126,7 +145,14 @@ class ReduceSchedule:
         self._ready[bucket.bucket_id] = set()
         self._completed.add(bucket.bucket_id)
         if self.sharding.shard_grads or (self.overlap and self.cycle_ends()):
-            self.launch(bucket)
+            self._launchable.add(bucket.bucket_id)
+            while self._next_launch < len(self._launch_order):
+                bucket_id = self._launch_order[self._next_launch]
+                if bucket_id not in self._launchable:
+                    return  # an earlier bucket in the launch order is still waiting for grads
+                self._launchable.discard(bucket_id)
+                self._next_launch += 1
+                self.launch(self.buckets[bucket_id])
         else:
             self._pending.add(bucket.bucket_id)
 
@@ -180,11 +206,15 @@ class ReduceSchedule:
             self.in_flight.pop(0)[0].wait()
 
     def new_cycle(self) -> None:
-        """After ``zero_grad_buffer``: nothing is reduced, deferred or pending any more."""
+        """After ``zero_grad_buffer``: nothing is reduced, deferred or pending any more, and grads may
+        arrive again after an optimizer step."""
         self.wait_all()
         self._reduced_this_cycle.clear()
         self._pending.clear()
         self._outer_pending.clear()
+        self._launchable.clear()
+        self._next_launch = 0
+        self.stepped = False
 
     def missing_grads(self, in_backward: bool) -> dict[str, str]:
         """Buckets still waiting for grads in this backward, by param name (for the hang watchdog)."""

@@ -108,15 +108,19 @@ def group_into_buckets(
 
 
 def _unit_of_params(root: nn.Module, units: Sequence[nn.Module]) -> dict[nn.Parameter, int]:
-    """The unit of every param used only inside one unit. A param a module outside its unit also holds
-    (a head tied to a unit's embedding, a weight shared by two units) belongs to no unit: it goes to a
-    non-unit bucket, which stays gathered for the whole forward and backward, as every user needs."""
-    unit_of_module: dict[int, set[int | None]] = {}
-    for unit_id, unit in enumerate(units):
-        for module in unit.modules():
-            unit_of_module.setdefault(id(module), set()).add(unit_id)
+    """The unit of every param used only inside one unit. A param also reached on a path outside its
+    unit (a head tied to a unit's embedding, a weight shared by two units, a unit's submodule reused
+    elsewhere) belongs to no unit: it goes to a non-unit bucket, which stays gathered for the whole
+    forward and backward, as every user needs."""
+    unit_ids = {id(unit): unit_id for unit_id, unit in enumerate(units)}
     holders: dict[nn.Parameter, set[int | None]] = {}
-    for module in root.modules():
+
+    def walk(module: nn.Module, unit_id: int | None) -> None:  # every path, shared modules included
+        unit_id = unit_ids.get(id(module), unit_id) if unit_id is None else unit_id
         for param in module.parameters(recurse=False):
-            holders.setdefault(param, set()).update(unit_of_module.get(id(module), {None}))
+            holders.setdefault(param, set()).add(unit_id)
+        for child in module.children():
+            walk(child, unit_id)
+
+    walk(root, None)
     return {param: unit_id for param, (unit_id, *more) in holders.items() if unit_id is not None and not more}

@@ -1,0 +1,137 @@
+"""Schedules real training loops use, found by review: every forward before the backwards with auto-sync
+and activation checkpointing; weights read after an optimizer step before any forward; a layer that gets
+grads on one rank only (ranks must launch their reductions in one order); a backward after a step
+without zero_grad_buffer() is refused instead of counting the stepped grads twice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from fsdp_testkit import (
+    STRATEGIES,
+    Trainer,
+    full_weights,
+    local_microbatches,
+    make_optimizer,
+    max_relative_difference,
+    reference_training,
+    shard_index,
+    wrap,
+)
+from torch import nn
+
+from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.fsdp import MegatronFSDP
+from gradsync.groups.testing import run_distributed, test_device
+
+
+def forwards_first_auto_sync(strategy: str, checkpoint: str) -> dict[str, torch.Tensor]:
+    """A pipeline warm-up under auto-sync: the first backward ends with finish_grad_sync, and the second
+    backward's recomputation must still find the compute params in the modules."""
+    trainer = Trainer.build(strategy, checkpoint=checkpoint)
+    model, rank, world = trainer.model, dist.get_rank(), dist.get_world_size()
+    for step in range(2):
+        model.zero_grad_buffer()
+        trainer.optimizer.zero_grad()
+        model.set_model_auto_sync(True)
+        losses = [model(batch) / 2 for batch in local_microbatches(step, rank, world, 2)]
+        for loss in losses:
+            loss.backward()
+        model.set_model_auto_sync(False)
+        trainer.optimizer.step()
+        model.install_optimized_model_weights()
+    return full_weights(model)
+
+
+@pytest.mark.parametrize("checkpoint", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_forwards_first_with_auto_sync_and_recomputation(strategy: str, checkpoint: str) -> None:
+    want = reference_training(2, 2, 2)
+    for rank, weights in enumerate(run_distributed(forwards_first_auto_sync, 2, args=(strategy, checkpoint))):
+        assert max_relative_difference(weights, want) <= 1e-6, rank
+
+
+def exported_before_and_after_a_forward(strategy: str, dtype: torch.dtype) -> float:
+    model = wrap(strategy, dtype=dtype)
+    optimizer = make_optimizer(model.parameters())
+    batch = local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]
+    model(batch).backward()
+    model.finish_grad_sync()
+    optimizer.step()  # nobody installs: the export must
+    before = model.full_state_dict(rank0_only=False)
+    model.zero_grad_buffer()
+    with torch.no_grad():
+        model(batch)
+    after = model.full_state_dict(rank0_only=False)
+    return max(float((before[k].float() - after[k].float()).abs().max()) for k in after)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_weights_read_after_a_step_are_the_stepped_ones(strategy: str, dtype: torch.dtype) -> None:
+    assert run_distributed(exported_before_and_after_a_forward, 2, args=(strategy, dtype)) == [0.0, 0.0]
+
+
+WIDTH = 4
+
+
+class SometimesUnused(nn.Module):
+    """Three equal-sized buckets; ``third`` is used on some ranks only (data-dependent routing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second, self.third = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.to(test_device())
+
+    def forward(self, x: torch.Tensor, use_third: bool) -> torch.Tensor:
+        y = self.second(self.first(x))
+        return (self.third(y) if use_third else y).square().sum()
+
+
+def inputs(rank: int) -> torch.Tensor:
+    return torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(rank)).to(test_device())
+
+
+def grads_with_a_rank_skipping_a_layer(strategy: str) -> list[torch.Tensor]:
+    config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=strategy,
+        overlap_grad_reduce=True,
+        bucket_size=WIDTH * WIDTH + WIDTH,
+    )
+    model = MegatronFSDP(SometimesUnused(), shard_index(), config)
+    assert len(model.buckets) == 3
+    rank = dist.get_rank()
+    model(inputs(rank), use_third=rank == 0).backward()
+    model.finish_grad_sync()
+    return [p.grad.to_local().cpu() if p.grad is not None else torch.zeros(0) for p in model.parameters()]
+
+
+def test_reductions_pair_up_when_a_layer_gets_grads_on_one_rank_only() -> None:
+    reference = SometimesUnused()
+    for rank in range(2):
+        (reference(inputs(rank), use_third=rank == 0) / 2).backward()
+    want = [p.grad.cpu() for p in reference.parameters()]
+    for got in run_distributed(grads_with_a_rank_skipping_a_layer, 2, args=("no_shard",)):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def backward_after_a_step_without_zeroing(strategy: str) -> str:
+    model = wrap(strategy)
+    optimizer = make_optimizer(model.parameters())
+    batch = local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]
+    model(batch).backward()
+    model.finish_grad_sync()
+    optimizer.step()
+    optimizer.zero_grad()  # the torch habit, which leaves MegatronFSDP's grad buffers as they are
+    with pytest.raises(RuntimeError, match="without zero_grad_buffer") as caught:
+        model(batch).backward()
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_backward_after_a_step_without_zero_grad_buffer_is_refused(strategy: str) -> None:
+    run_distributed(backward_after_a_step_without_zeroing, 2, args=(strategy,), reuse=False)
