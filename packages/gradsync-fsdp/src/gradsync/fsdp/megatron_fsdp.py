@@ -378,7 +378,9 @@ class MegatronFSDP(nn.Module):
             )
             unit.register_forward_hook(functools.partial(self._unit_post_forward, unit_id))
         grad_hooks = [
-            param.register_post_accumulate_grad_hook(weak_method(self, "_on_grad", name))  # type: ignore[no-untyped-call]
+            param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                weak_method(self, "_on_grad", name, *self._position[param])
+            )
             for param, name in self.param_to_name.items()
             if param.requires_grad
         ]
@@ -450,12 +452,11 @@ class MegatronFSDP(nn.Module):
         for bucket in self._unit_buckets[unit_id]:
             bucket.release()
 
-    def _on_grad(self, name: str, param: torch.Tensor) -> None:
-        """``param``'s grad of this backward is complete: move it into its bucket."""
+    def _on_grad(self, name: str, bucket: FlatParamBucket, index: int, param: torch.Tensor) -> None:
+        """``param``'s grad of this backward is complete: move it into its bucket (item ``index``)."""
         grad = param.grad
         if grad is None:
             return
-        bucket, index = self._locate(param)
         if self.report_nan_in_param_grad and not bool(torch.isfinite(grad).all()):
             bucket.non_finite_params.append(name)
         self._reductions.add_grad(bucket, index, grad)
