@@ -1,10 +1,11 @@
-"""`nox -s bench-ab`: gradsync DDP against torch DDP step by step in the same processes, at 4 and 25 MiB
-buckets. Every system is built on its own copy of the toy GPT in one torchrun job; the timed loop runs one
-step of each system in turn (a barrier before each), so a drift of the machine's speed touches all alike.
-Each figure is the median step time of the slowest rank, as a ratio to the compute floor (the same model
-and batch in the same processes, no wrapper, no communication) and to torch DDP.
+"""`nox -s bench-ab`: every system's step interleaved in the same processes. Every system is built on its own
+copy of the toy GPT in one torchrun job; the timed loop runs one step of each system in turn (a barrier
+before each), so a drift of the machine's speed touches all alike. Each figure is the median step time of
+the slowest rank, as a ratio to the compute floor (the same model and batch in the same processes, no
+wrapper, no communication) and to torch DDP. ``--repeats`` runs the whole job again in fresh processes and
+reports the median and the spread of each ratio; ``--json`` writes them for bench.py.
 
-    python benchmarks/bench_ab.py [--steps 30] [--bucket-mb 4 25]     (launches torchrun itself)
+    python benchmarks/bench_ab.py [--steps 20] [--bucket-mb 4] [--repeats 1] [--systems ...]
 
 A system named ``<system>+telemetry`` runs with communication telemetry recording (its overhead).
 """
@@ -12,6 +13,7 @@ A system named ``<system>+telemetry`` runs with communication telemetry recordin
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -29,6 +31,15 @@ SYSTEMS = [
     "gradsync-ddp+overlap",
     "gradsync-ddp+distopt",
     "gradsync-ddp+distopt+overlap-param-gather",
+    "gradsync-fsdp-no_shard",
+    "gradsync-fsdp-optim",
+    "gradsync-fsdp-optim_grads",
+    "gradsync-fsdp-optim_grads_params",
+    "torch-fsdp2-no-reshard",
+    "torch-fsdp2",
+    "deepspeed-zero1",
+    "deepspeed-zero2",
+    "deepspeed-zero3",
 ]
 
 
@@ -53,14 +64,12 @@ def with_telemetry(step: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def interleaved(args: argparse.Namespace) -> None:
-    """The torchrun worker: build every system, time their steps in turn, print a table on rank 0."""
+    """The torchrun worker: build every system, time their steps in turn; rank 0 prints the medians (JSON)."""
     import torch
     import torch.distributed as dist
     from bench_worker import build
     from toygpt.data import Corpus, local_rows
     from toygpt.model import GPTConfig, GPTStage
-
-    from gradsync.ddp import __version__ as ddp_version
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)  # one core per rank
@@ -88,47 +97,106 @@ def interleaved(args: argparse.Namespace) -> None:
     medians = torch.tensor([statistics.median(times[s]) for s in args.systems], dtype=torch.float64)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     if rank == 0:
-        by_system = dict(zip(args.systems, medians.tolist(), strict=True))
-        floor, torch_ddp = by_system["floor"], by_system.get("torch-ddp")
-        print(f"\n{args.bucket_mb} MiB buckets, {world} ranks, {args.steps} interleaved steps (gradsync-ddp "
-              f"{ddp_version}, torch {torch.__version__})\n")  # fmt: skip
-        print("| system | median ms/step | step / floor | step / torch DDP |")
-        print("|---|---|---|---|")
-        for system, seconds in by_system.items():
-            versus = f"{seconds / torch_ddp:.3f}" if torch_ddp else "-"
-            print(f"| {system} | {seconds * 1e3:.1f} | {seconds / floor:.3f}x | {versus} |")
+        print("RESULT " + json.dumps(dict(zip(args.systems, medians.tolist(), strict=True))), flush=True)
     dist.destroy_process_group()
+
+
+def run_repeats(args: argparse.Namespace, bucket_mb: int) -> list[dict[str, float]]:
+    """``args.repeats`` interleaved jobs in fresh processes: per repeat, each system's median step (s)."""
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(HERE.parent / "integration"), str(HERE)]),
+    }
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"),
+        *(__file__, "--worker", "--steps", str(args.steps), "--bucket-mb", str(bucket_mb)),
+        *("--systems", *args.systems),
+    ]
+    repeats = []
+    for _ in range(args.repeats):
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode != 0 or not lines:
+            raise SystemExit(
+                f"bench_ab failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+            )
+        repeats.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    return repeats
+
+
+def summarise(repeats: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per system: the median step over repeats, and the median, lowest and highest ratio to the floor
+    and to torch DDP (each repeat's ratio against its own floor)."""
+    summary = {}
+    for system in repeats[0]:
+        ratios = sorted(r[system] / r["floor"] for r in repeats)
+        versus_ddp = [r[system] / r["torch-ddp"] for r in repeats if "torch-ddp" in r]
+        summary[system] = {
+            "step_s": statistics.median(r[system] for r in repeats),
+            "ratio": statistics.median(ratios),
+            "ratio_lo": ratios[0],
+            "ratio_hi": ratios[-1],
+            "vs_torch_ddp": statistics.median(versus_ddp) if versus_ddp else float("nan"),
+        }
+    return summary
+
+
+def table(summary: dict[str, dict[str, float]]) -> list[str]:
+    lines = [
+        "| system | median ms/step | step / floor | spread over repeats | step / torch DDP |",
+        "|---|---|---|---|---|",
+    ]
+    for system, row in summary.items():
+        lines.append(
+            f"| {system} | {row['step_s'] * 1e3:.1f} | {row['ratio']:.3f}x | "
+            f"{row['ratio_lo']:.3f}-{row['ratio_hi']:.3f} | {row['vs_torch_ddp']:.3f} |"
+        )
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--bucket-mb", type=int, nargs="+", default=[4, 25])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--bucket-mb", type=int, nargs="+", default=[4])
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS)
+    parser.add_argument("--json", type=Path, help="write {bucket_mb: summary} here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         args.bucket_mb = args.bucket_mb[0]
         interleaved(args)
         return
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(HERE.parent / "integration"), str(HERE)]),
-    }
-    launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={args.nproc}",
-    ]
+    if "floor" not in args.systems:
+        args.systems = ["floor", *args.systems]
+    from gradsync.ddp import __version__ as ddp_version
+    from gradsync.fsdp import __version__ as fsdp_version
+
+    summaries = {}
     for bucket_mb in args.bucket_mb:
-        command = [*launcher, __file__, "--worker", "--steps", str(args.steps), "--bucket-mb", str(bucket_mb)]
-        subprocess.run([*command, "--systems", *args.systems], env=env, check=True)
+        summaries[bucket_mb] = summary = summarise(run_repeats(args, bucket_mb))
+        print(
+            f"\n{bucket_mb} MiB buckets, {args.nproc} ranks, {args.steps} interleaved steps, {args.repeats} "
+            f"repeat(s) (gradsync-ddp {ddp_version}, gradsync-fsdp {fsdp_version}, commit {commit()})\n"
+        )
+        print("\n".join(table(summary)), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(summaries, indent=1))
+
+
+def commit() -> str:
+    """The checked-out commit, with ``+dirty`` when the tree has changes."""
+
+    def git(*words: str) -> str:
+        return subprocess.run(["git", *words], cwd=HERE, capture_output=True, text=True, check=False).stdout
+
+    head = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no").strip() else "")
 
 
 if __name__ == "__main__":

@@ -102,12 +102,13 @@ def build(system: str, model: GPTStage, args: argparse.Namespace) -> Step:
     if system == "torch-ddp":
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
         return plain_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=args.lr))
-    if system == "torch-fsdp2":
+    if system in ("torch-fsdp2", "torch-fsdp2-no-reshard"):
         from torch.distributed.fsdp import fully_shard
 
+        reshard = system == "torch-fsdp2"  # ZeRO-3; without resharding after forward: ZeRO-2's memory
         for block in model.blocks.values():
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
         return plain_step(model, torch.optim.AdamW(model.parameters(), lr=args.lr))
     if system.startswith("deepspeed-zero"):
         return deepspeed_step(int(system[-1]), model, args.lr, bucket_elements, args.batch_per_rank)

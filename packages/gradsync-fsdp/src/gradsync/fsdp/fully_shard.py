@@ -21,6 +21,7 @@ from gradsync.buffers.checkpointing import materialize_optimizer_state
 from gradsync.groups import FSDPDistributedIndex
 
 from .dcp import describe_optimizer_state
+from .local_step import local_tensors_for_step
 from .megatron_fsdp import MegatronFSDP
 from .meta_init import ParamInitFn
 from .mixed_precision import MixedPrecisionPolicy
@@ -158,7 +159,8 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
     ) -> Any:
         if sync_grad_before_optimizer_step and not model.model_auto_sync:
             model.finish_grad_sync()
-        result = base_step(*args, **kwargs)
+        with local_tensors_for_step(self):
+            result = base_step(*args, **kwargs)
         if install_optimized_model_weights:
             model.install_optimized_model_weights()
         return result

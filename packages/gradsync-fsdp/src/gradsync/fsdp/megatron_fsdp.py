@@ -252,7 +252,8 @@ class MegatronFSDP(nn.Module):
 
     @property
     def suggested_RS_queue_capacity(self) -> int:
-        """Elements of grad reductions in flight before the oldest is waited for."""
+        """Elements of grad reductions in flight before the oldest is waited for (ZeRO-2/3, whose
+        whole-bucket grads are temporary; no_shard and optim reduce persistent buffers, unbounded)."""
         return self._reductions.queue_capacity
 
     @suggested_RS_queue_capacity.setter

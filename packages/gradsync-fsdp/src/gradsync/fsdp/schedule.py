@@ -166,8 +166,10 @@ class ReduceSchedule:
             self._reduced_this_cycle.add(bucket.bucket_id)
         self.wait_until(bucket.can_take_grads)  # a bucket without grads needs a buffer now
         elements = bucket.layout.size
-        while self.in_flight and sum(n for _, n in self.in_flight) + elements > self.queue_capacity:
-            self.in_flight.pop(0)[0].wait()  # bound the reductions in flight (and their buffers)
+        if self.sharding.shard_grads:  # bound the temporary whole-bucket grads in flight; persistent
+            # grad buffers (no_shard, optim) cost nothing more in flight, and a wait would stall the backward
+            while self.in_flight and sum(n for _, n in self.in_flight) + elements > self.queue_capacity:
+                self.in_flight.pop(0)[0].wait()
         launched = bucket.launch_reduce(self.reduction, self.check_for_nan)
         if self.outer is not None:
             if ends_cycle:

@@ -1,0 +1,77 @@
+"""The optimizer step on the shards' local tensors.
+
+An element-wise optimizer (Adam, SGD) on DTensor params sends each of its ~10 ops per param through
+DTensor's dispatcher, which on CPU costs as much as the math of a small model's step (measured: 34 ms
+against 15 ms for the toy GPT's AdamW). The shards' local tensors are views of the flat buffers, so the
+same step on them updates the same memory. :func:`local_tensors_for_step` lends the optimizer the local
+tensors (params, grads and state) for the duration of a step and gives the DTensors back after it, state
+created during the step included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .step_tracking import OWNER
+
+
+def _local(value: Any) -> Any:
+    return value._local_tensor if isinstance(value, DTensor) else value
+
+
+def _local_param(param: torch.Tensor) -> torch.Tensor:
+    """``param``'s local tensor (the same object every step), with its grad and its owner's mark."""
+    if not isinstance(param, DTensor):
+        return param
+    local: torch.Tensor = param._local_tensor
+    local.grad = _local(param.grad)
+    owner = getattr(param, OWNER, None)
+    if owner is not None:
+        setattr(local, OWNER, owner)  # the post-step hook finds the model through it
+    return local
+
+
+def _as_distributed(value: Any, param: DTensor, local: torch.Tensor) -> Any:
+    """State the step created: per-element tensors become DTensors shaped like ``param``."""
+    if not (isinstance(value, torch.Tensor) and value.shape == local.shape and value.dim() > 0):
+        return value
+    return DTensor.from_local(
+        value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+@contextlib.contextmanager
+def local_tensors_for_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Within the block, ``optimizer`` holds the local tensors of its DTensor params, their grads and
+    their state; after it (even on an error), the DTensors again, with any state the step added."""
+    groups: list[tuple[dict[str, Any], list[torch.Tensor]]] = []
+    lent: dict[int, tuple[DTensor, torch.Tensor, dict[str, Any]]] = {}  # by id: (param, local, state)
+    try:
+        for group in optimizer.param_groups:
+            originals = group["params"]
+            if not any(isinstance(p, DTensor) for p in originals):
+                continue
+            group["params"] = [_local_param(p) for p in originals]
+            groups.append((group, originals))
+            for param, local in zip(originals, group["params"], strict=True):
+                if isinstance(param, DTensor) and id(param) not in lent:
+                    state = optimizer.state.pop(param, {})
+                    lent[id(param)] = (param, local, state)
+                    if state:
+                        optimizer.state[local] = {key: _local(value) for key, value in state.items()}
+        yield
+    finally:
+        for group, originals in groups:
+            group["params"] = originals
+        for param, local, state in lent.values():
+            local.grad = None
+            for key, value in optimizer.state.pop(local, {}).items():
+                if _local(state.get(key)) is not value:  # created or replaced by the step
+                    state[key] = _as_distributed(value, param, local)
+            if state:
+                optimizer.state[param] = state
