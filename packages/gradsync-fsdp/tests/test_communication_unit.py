@@ -94,3 +94,33 @@ def test_reductions_in_flight_are_bounded_by_the_unit_size(units: int | None, ex
     non-unit bucket) in flight at once."""
     for most in run_distributed(most_reductions_in_flight, 2, args=(units,)):
         assert most == expected
+
+
+def zero1_units_gathered_when_the_first_runs(units_ahead: int | None) -> int:
+    """ZeRO-1 after an optimizer step (every replica stale), with ``bucket_size`` one unit and the unit
+    size set to ``units_ahead`` units' worth of prefetch, or unset."""
+    unit = unit_elements()
+    size = None if units_ahead is None else 2 * units_ahead * unit
+    model = wrap("optim", layers=LAYERS, bucket_size=unit, suggested_communication_unit_size=size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model(local_microbatches(0, rank, world, 1)[0]).backward()
+    model.finish_grad_sync()
+    optimizer.step()
+    model.zero_grad_buffer()
+    seen: list[int] = []
+
+    def count(*_: object) -> None:
+        seen.append(sum(any(b.status is not BucketStatus.EMPTY for b in bs) for bs in model._unit_buckets))
+
+    model.units[0].register_forward_pre_hook(count)
+    model(local_microbatches(1, rank, world, 1)[0]).backward()
+    return seen[0]
+
+
+@pytest.mark.parametrize(("units_ahead", "expected"), [(None, LAYERS), (1, 2), (0, 1)])
+def test_zero1_prefetches_every_unit_unless_told_otherwise(units_ahead: int | None, expected: int) -> None:
+    """ZeRO-1/2 keep every weight whole, so prefetching costs no memory: with the unit size unset every
+    unit's gather starts at the model's forward (not half of ``bucket_size``'s worth)."""
+    for gathered in run_distributed(zero1_units_gathered_when_the_first_runs, 2, args=(units_ahead,)):
+        assert gathered == expected

@@ -38,7 +38,7 @@ from .allocator_choice import choose_allocators
 from .allocators import AllocatorStats
 from .bucket import BucketStatus, FlatParamBucket, GradReduction, PrefetchOrder, bucket_layout
 from .checkpoint import load_param, param_keys
-from .communication_unit import communication_unit_size
+from .communication_unit import communication_unit_size, prefetch_size
 from .dcp import FIRST_ROW, describe_shard
 from .hooks import (
     TrainingState,
@@ -223,7 +223,9 @@ class MegatronFSDP(nn.Module):
             ddp_config, self.sharding.shard_params, unit_sizes
         )
         self._gathers = GatherSchedule(
-            self._unit_buckets, self.allocators.weights, self.suggested_communication_unit_size // 2
+            self._unit_buckets,
+            self.allocators.weights,
+            prefetch_size(ddp_config, self.sharding.shard_params, self.suggested_communication_unit_size),
         )
         self._reductions = ReduceSchedule(
             self.buckets,
