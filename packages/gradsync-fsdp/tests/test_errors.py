@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_testkit import Block, TinyTransformer, local_microbatches, shard_index, wrap
+from fsdp_testkit import STRATEGIES, Block, TinyTransformer, local_microbatches, shard_index, wrap
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -81,20 +81,30 @@ def test_fully_shard_optimizer_refuses_an_optimizer_on_other_params() -> None:
     run_distributed(foreign_optimizer, 1)
 
 
-def nan_on_rank_1() -> None:
-    model = wrap("optim_grads_params", check_for_nan_in_grad=True)
-    batch = local_microbatches(0, dist.get_rank(), 2, 1)[0]
-    loss = model(batch)
-    if dist.get_rank() == 1:
+def nan_on_rank_1(strategy: str) -> None:
+    """NaN in rank 1's first microbatch (under no_sync()): every rank raises at finish_grad_sync, naming
+    rank 1; after zero_grad_buffer() a clean cycle passes (the recorded norms were reset)."""
+    model = wrap(strategy, check_for_nan_in_grad=True)
+    rank = dist.get_rank()
+    first, second = local_microbatches(0, rank, 2, 2)
+    loss = model(first)
+    if rank == 1:
         loss = loss * float("nan")
+    with model.no_sync():
+        loss.backward()
+    model(second).backward()
     with pytest.raises(
         RuntimeError, match=r"NaN or Inf in the grads of bucket \d+ \(.*\) on rank\(s\) \[1\]"
     ):
-        loss.backward()
+        model.finish_grad_sync()
+    model.zero_grad_buffer()
+    model(second).backward()
+    model.finish_grad_sync()
 
 
-def test_nan_grads_raise_on_every_rank_naming_the_rank() -> None:
-    run_distributed(nan_on_rank_1, 2)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_nan_grads_raise_on_every_rank_naming_the_rank(strategy: str) -> None:
+    run_distributed(nan_on_rank_1, 2, args=(strategy,))
 
 
 def nan_in_one_param_on_rank_1() -> str:

@@ -1,7 +1,10 @@
 """The per-step hot path: fully_shard_optimizer's step runs on the shards' local tensors (same results,
-DTensors back afterwards), and reductions into persistent grad buffers are never waited mid-backward."""
+DTensors back afterwards), reductions into persistent grad buffers are never waited mid-backward, the
+NaN check reads the host once per cycle, and (on CUDA) a step has no host-device sync at all."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ from fsdp_testkit import STRATEGIES, full_weights, local_microbatches, wrap
 from torch.distributed.tensor import DTensor
 
 from gradsync.buffers import collectives
+from gradsync.buffers.grad_checks import LocalGradNorms
 from gradsync.fsdp import fully_shard_optimizer
 from gradsync.groups.testing import run_distributed
 
@@ -131,3 +135,71 @@ def test_in_flight_bound_applies_to_temporary_grads_only(strategy: str) -> None:
             assert waits == 0
         else:
             assert waits > 0
+
+
+def host_reads_in_a_cycle(strategy: str) -> tuple[int, int]:
+    """With the NaN check on, two microbatches: host reads of tensors plus the check's gathers during the
+    backwards, and in all once finish_grad_sync returned."""
+    model = wrap(strategy, check_for_nan_in_grad=True)
+    first, second = local_microbatches(0, dist.get_rank(), dist.get_world_size(), 2)
+    events: list[str] = []
+    gather = LocalGradNorms.gather
+    readers = {name: getattr(torch.Tensor, name) for name in ("__bool__", "__float__", "item", "tolist")}
+
+    def counted_gather(self: LocalGradNorms, *args: Any) -> list[list[float]]:
+        events.append("gather")
+        return gather(self, *args)
+
+    def counting(name: str) -> Any:
+        def read(tensor: torch.Tensor, *args: Any) -> Any:
+            events.append(name)
+            return readers[name](tensor, *args)
+
+        return read
+
+    LocalGradNorms.gather = counted_gather  # type: ignore[method-assign]
+    for name in readers:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        with model.no_sync():
+            model(first).backward()
+        model(second).backward()
+        during = len(events)
+        model.finish_grad_sync()
+    finally:
+        LocalGradNorms.gather = gather  # type: ignore[method-assign]
+        for name, reader in readers.items():
+            setattr(torch.Tensor, name, reader)
+    return during, len(events)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_nan_check_reads_the_host_once_per_cycle(strategy: str) -> None:
+    """Device-side norms per bucket: nothing read on the host in the backwards, one gather (whose result
+    is read with one .tolist()) at finish_grad_sync."""
+    for during, total in run_distributed(host_reads_in_a_cycle, 2, args=(strategy,)):
+        assert during == 0
+        assert total == 2  # the gather and its .tolist()
+
+
+def step_under_sync_debug(strategy: str) -> None:
+    """One training step with every host-device sync an error (finish_grad_sync's NaN check is off: its
+    one read per step is by design)."""
+    model = wrap(strategy)
+    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    batch = local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]
+    for _ in range(2):  # the first step allocates and warms up
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            optimizer.zero_grad()
+            model(batch).backward()
+            optimizer.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host-device syncs exist on CUDA only")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_training_step_has_no_host_sync_on_cuda(strategy: str) -> None:
+    run_distributed(step_under_sync_debug, 1, args=(strategy,))

@@ -17,13 +17,11 @@ import torch
 import torch.distributed as dist
 from torch.nn import Parameter
 
-from gradsync.groups import get_backend_capabilities
-
 from . import collectives
 from .buffer import ParamAndGradBucket, ParamAndGradBuffer
 from .config import DistributedDataParallelConfig
 from .foreign_config import as_ddp_config
-from .grad_checks import LargeGradDetector, check_grads
+from .grad_checks import LargeGradDetector, LocalGradNorms, check_grads, non_finite_ranks, report_grad_norms
 from .stats import CollectiveRecord, CommStats
 
 
@@ -81,6 +79,10 @@ class ParamAndGradBucketGroup:
         self.label = "bucket_group"
         """The group's name in telemetry (GradBuffers numbers its groups)."""
         self.large_grad_detector = LargeGradDetector() if ddp_config.check_for_large_grads else None
+        self.grad_norms: LocalGradNorms | None = None  # the checks' local norms, read at finish_grad_sync
+        if ddp_config.check_for_nan_in_grad or ddp_config.check_for_large_grads:
+            self.grad_norms = LocalGradNorms(len(buckets), buckets[0].grad_data.device)
+        self._grad_norms_recorded = False
 
     # --- iteration state -------------------------------------------------------------------------
 
@@ -98,6 +100,9 @@ class ParamAndGradBucketGroup:
             self.is_first_batch = False
         self.per_param_grad_ready_counts = {}
         self._mismatched_counts = len(self.golden_per_param_grad_ready_counts)
+        if self.grad_norms is not None:
+            self.grad_norms.reset()
+            self._grad_norms_recorded = False
         self.is_last_microbatch = True
         self.grad_reduce_finished = False
         self.grad_reduce_dispatched = False
@@ -150,8 +155,10 @@ class ParamAndGradBucketGroup:
         if self.grad_reduce_handle is not None:
             raise RuntimeError("Should not have multiple communication calls outstanding at once")
         self._copy_extra_main_grads_into_buffer()
-        if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
-            self.check_grads(self.ddp_config.check_for_nan_in_grad, self.ddp_config.check_for_large_grads)
+        if self.grad_norms is not None:  # read at finish_grad_sync, on every rank alike
+            for position, bucket in enumerate(self.buckets):
+                self.grad_norms.record(position, bucket.grad_data)
+            self._grad_norms_recorded = True
         with torch.no_grad():
             for bucket in self.buckets:
                 if bucket.gradient_scaling_factor != 1.0:
@@ -194,9 +201,7 @@ class ParamAndGradBucketGroup:
         """Chain the all-reduce across optimizer instances after the reduction within this instance.
 
         It reduces this rank's shard after a reduce-scatter, the whole bucket after an all-reduce (as
-        ``force_all_reduce`` asks). The second collective needs the first one's result: where ``wait()``
-        only orders the device stream (NCCL) both are issued now; where it would block the host (gloo),
-        the second is issued when the handle is waited, so a backward hook never blocks.
+        ``force_all_reduce`` asks), issued as :func:`~gradsync.buffers.collectives.chain` says.
         """
         average = self.ddp_config.average_in_collective
 
@@ -215,11 +220,7 @@ class ParamAndGradBucketGroup:
             launched.after.append(lambda: CommStats.end(records))
             return launched
 
-        device = self.buckets[0].grad_data.device
-        if get_backend_capabilities(inter, device).stream_ordered_wait:
-            within.wait()
-            return across()
-        return within.then(across)
+        return collectives.chain(within, across, inter, self.buckets[0].grad_data.device)
 
     def _record(
         self, op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = None
@@ -248,6 +249,7 @@ class ParamAndGradBucketGroup:
         if not self.ddp_config.overlap_grad_reduce:
             self.start_grad_sync(force_all_reduce)
             self._copy_back_extra_main_grads()
+            self._report_grad_norms()
             return
         if self.grad_reduce_finished:
             return
@@ -265,6 +267,24 @@ class ParamAndGradBucketGroup:
             self.grad_reduce_handle = None
         self._copy_back_extra_main_grads()
         self.grad_reduce_finished = True
+        self._report_grad_norms()
+
+    def _report_grad_norms(self) -> None:
+        """The NaN/Inf and large-grad checks of this cycle's reduction, on every rank: one all-gather of
+        the buckets' local norms, one host read."""
+        if self.grad_norms is None or not self._grad_norms_recorded:
+            return
+        self._grad_norms_recorded = False
+        group = self.collective_group
+        table = self.grad_norms.gather(group, f"{self.label}.grad_norms")
+        report_grad_norms(
+            self.buckets,
+            table[group.rank()],
+            rank=dist.get_rank(),
+            check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
+            detector=self.large_grad_detector if self.ddp_config.check_for_large_grads else None,
+            bad_elsewhere=non_finite_ranks(table, group),
+        )
 
     def _copy_extra_main_grads_into_buffer(self) -> None:
         for bucket in self.buckets:

@@ -115,6 +115,20 @@ class Launched:
         self.issued = []
 
 
+def chain(
+    first: Launched, launch_next: Callable[[], Launched], group: dist.ProcessGroup, device: torch.device
+) -> Launched:
+    """``launch_next``'s collectives (over ``group``) need ``first``'s results: the one rule both wrappers
+    follow for a two-stage collective (HSDP's outer reduction, HFSDP's outer gather, the all-reduce across
+    optimizer instances). Where waiting only orders the device stream (NCCL), ``first`` is waited now and
+    the next stage issued at once, so both run ahead of the compute that follows; where waiting blocks the
+    host (gloo), the next stage is issued when the returned handle is waited, so no hook ever blocks."""
+    if get_backend_capabilities(group, device).stream_ordered_wait:
+        first.wait()
+        return launch_next()
+    return first.then(launch_next)
+
+
 def _shard_size(buffer: torch.Tensor, num_shards: int) -> int:
     if buffer.numel() % num_shards:
         raise ValueError(f"buffer of {buffer.numel()} elements does not split into {num_shards} equal shards")

@@ -20,7 +20,8 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from gradsync.buffers.collectives import Launched, all_gather_shards, all_reduce, reduce_scatter
+from gradsync.buffers.collectives import Launched, all_gather_shards, all_reduce, chain, reduce_scatter
+from gradsync.buffers.grad_checks import LocalGradNorms
 
 from .allocators import BucketAllocator, BufferRequest, StorageResizeBucketAllocator, TemporaryBucketAllocator
 from .hsdp import OuterReplication
@@ -134,7 +135,7 @@ class FlatParamBucket:
         self.grad: torch.Tensor | None = None
         self._unreduced: torch.Tensor | None = None  # ZeRO-2/3: this backward's whole-bucket grads
         self._reduced_earlier: torch.Tensor | None = None  # see set_aside_reduced
-        self.non_finite_params: list[str] = []  # report_nan_in_param_grad: this rank's, in this backward
+        self.non_finite_params: list[str] = []  # report_nan_in_param_grad: this rank's, in this cycle
         if spec.requires_grad:
             lo, hi = self.grad_range
             self.grad = torch.zeros(hi - lo, dtype=self.grad_dtype, device=device)
@@ -213,9 +214,8 @@ class FlatParamBucket:
             assert self.weight_shard is not None
             self._outer_stale = False
             self.communicated_bytes += self.weight_shard.numel() * self.weight_shard.element_size()
-            self._gather = all_gather_shards(
-                self.weight_shard, self.outer.group, label=f"{self.label}.outer"
-            ).then(self._gather_inner)
+            outer = all_gather_shards(self.weight_shard, self.outer.group, label=f"{self.label}.outer")
+            self._gather = chain(outer, self._gather_inner, self.outer.group, self.device)
         else:
             self._gather = self._gather_inner()
         self.status = BucketStatus.COMMUNICATING
@@ -306,16 +306,17 @@ class FlatParamBucket:
             target = self._item_view(self.grad, 0, item.offset, item.end, item.shape)
         target.add_(grad.view_as(target))
 
-    def launch_reduce(self, reduction: GradReduction, check_for_nan: bool = False) -> Launched:
+    def launch_reduce(self, reduction: GradReduction, norms: LocalGradNorms | None = None) -> Launched:
         """Scale and reduce this bucket's grads: reduce-scatter into the shard (ZeRO-1/2/3; ZeRO-2/3 add
-        it to the accumulated shard), or all-reduce the whole buffer (no_shard)."""
+        it to the accumulated shard), or all-reduce the whole buffer (no_shard). ``norms``: record the
+        local grads' norm first, on the device (the NaN check reads it at ``finish_grad_sync``)."""
         assert self.grad is not None
         if self.sharding.shard_grads:
             wire = self._unreduced_grads()  # zeros when no param of the bucket got a grad
         else:
             wire = self.grad if self.comm_dtype == self.grad_dtype else self.grad.to(self.comm_dtype)
-        if check_for_nan:
-            self._refuse_non_finite(wire)
+        if norms is not None:
+            norms.record(self.bucket_id, wire)
         if reduction.factor != 1.0:
             wire.mul_(reduction.factor)
         if not self.sharding.shard_main:
@@ -340,24 +341,6 @@ class FlatParamBucket:
         if self._unreduced is not None:
             self._unreduced = None
             self.allocators.grads.free(self.bucket_id)
-
-    def _refuse_non_finite(self, wire: torch.Tensor) -> None:
-        """Raise on every rank, naming the ranks (and, with ``report_nan_in_param_grad``, this rank's
-        params), if any rank's unreduced grads hold NaN or Inf. The flags are gathered first, so no rank
-        raises while the others wait in the reduction."""
-        group = self.outer.hybrid_group if self.outer is not None else self.group
-        mine = (~torch.isfinite(wire).all()).to(torch.int32).reshape(1)
-        flags = torch.empty(group.size(), dtype=torch.int32, device=wire.device)
-        dist.all_gather_into_tensor(flags, mine, group=group)
-        bad = [dist.get_global_rank(group, r) for r, flag in enumerate(flags.tolist()) if flag]
-        params, self.non_finite_params = self.non_finite_params, []
-        if bad:
-            here = f"; on this rank in the grads of {params}" if params else ""
-            raise RuntimeError(
-                f"MegatronFSDP (check_for_nan_in_grad=True): NaN or Inf in the grads of bucket "
-                f"{self.bucket_id} ({', '.join(self.spec.names)}) on rank(s) {bad}, before the reduction"
-                f"{here}"
-            )
 
     def _finish_reduce(self, wire: torch.Tensor) -> None:
         assert self.grad is not None

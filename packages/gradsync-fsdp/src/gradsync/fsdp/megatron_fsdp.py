@@ -32,6 +32,7 @@ from gradsync.buffers import (
     gradient_scaling_factors,
     telemetry,
 )
+from gradsync.buffers.grad_checks import LocalGradNorms, non_finite_ranks
 from gradsync.groups import FSDPDistributedIndex
 
 from .allocator_choice import choose_allocators
@@ -110,7 +111,8 @@ class MegatronFSDP(nn.Module):
         device; it is materialised module by module into the shards (:mod:`gradsync.fsdp.meta_init`), by
         ``param_init_fn(module)`` (gradsync's addition) or each module's ``reset_parameters()``.
         ``report_nan_in_param_grad`` checks every param's grad as it arrives (a host sync per param: for
-        debugging) and names the params in the NaN check that runs on every rank before each reduction.
+        debugging) and names the params in the NaN check, which records each bucket's local grad norm on
+        the device before its reduction and reads every rank's once per cycle, at ``finish_grad_sync``.
         The fine-grained gather hooks are not built (``NotImplementedError`` when asked for)."""
         super().__init__()
         if enable_fine_grained_param_gather_hook or enable_fine_grained_param_gather_backward_hook:
@@ -227,13 +229,16 @@ class MegatronFSDP(nn.Module):
             self.allocators.weights,
             prefetch_size(ddp_config, self.sharding.shard_params, self.suggested_communication_unit_size),
         )
+        self._grad_norms = None  # the NaN check's local norms, read once per cycle at finish_grad_sync
+        if ddp_config.check_for_nan_in_grad or report_nan_in_param_grad:
+            self._grad_norms = LocalGradNorms(len(self.buckets), self.device)
         self._reductions = ReduceSchedule(
             self.buckets,
             self.sharding,
             self.outer,
             self._reduction,
             overlap=ddp_config.overlap_grad_reduce,
-            check_for_nan=ddp_config.check_for_nan_in_grad or report_nan_in_param_grad,
+            grad_norms=self._grad_norms,
             cycle_ends=self._cycle_ends,
             queue_capacity=self.suggested_communication_unit_size,
         )
@@ -572,11 +577,31 @@ class MegatronFSDP(nn.Module):
         if self._grads_finished:
             return
         self.synchronize_gradient_reduce()
+        self._refuse_non_finite_grads()
         self.attach_grad_to_optimizer_state()
         self.microbatch_count = 0
         self._grads_finished = True
         if not self._forwards_awaiting_backward:  # a later backward may still recompute (auto-sync)
             self._replace_param_with_distributed_if_needed()
+
+    def _refuse_non_finite_grads(self) -> None:
+        """Raise on every rank, naming the ranks (and, with ``report_nan_in_param_grad``, this rank's
+        params), if any rank's local grads held NaN or Inf before a reduction of this cycle."""
+        if self._grad_norms is None:
+            return
+        group = self.outer.hybrid_group if self.outer is not None else self.dist_index.get_fsdp_group()
+        bad = non_finite_ranks(self._grad_norms.gather(group, "fsdp.grad_norms"), group)
+        params = {b.bucket_id: b.non_finite_params for b in self.buckets}
+        for bucket in self.buckets:
+            bucket.non_finite_params = []
+        if bad:
+            bucket_id, ranks = min(bad.items())
+            names = ", ".join(self.buckets[bucket_id].spec.names)
+            here = f"; on this rank in the grads of {params[bucket_id]}" if params[bucket_id] else ""
+            raise RuntimeError(
+                f"MegatronFSDP (check_for_nan_in_grad=True): NaN or Inf in the grads of bucket {bucket_id} "
+                f"({names}) on rank(s) {ranks}, before the reduction{here}"
+            )
 
     def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
         """Multiply every grad by ``scaling_factor``: the buffers, and attached grads that are copies."""
@@ -598,6 +623,9 @@ class MegatronFSDP(nn.Module):
         self._replace_param_with_distributed_if_needed()
         for bucket in self.buckets:
             bucket.zero_grad()
+            bucket.non_finite_params = []
+        if self._grad_norms is not None:
+            self._grad_norms.reset()
         for params in self._optimizer_params:
             for param in params:
                 param.grad = None

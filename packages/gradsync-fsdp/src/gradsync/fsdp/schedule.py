@@ -3,9 +3,10 @@
 :class:`GatherSchedule` gathers a unit's buckets and prefetches the next units in forward or backward
 order within a budget of elements. :class:`ReduceSchedule` counts each bucket's grads as they arrive,
 launches its reduction when the last one lands (or defers it to the end of the cycle: ``no_shard`` and
-``optim`` reduce once per cycle), bounds the reductions in flight, queues HSDP's outer stage behind the
-inner one, and reopens a bucket reduced earlier in the cycle when more grads arrive (accumulation without
-``no_sync()``). The wrapper decides *what* happens in its hooks; these two decide *when* it communicates.
+``optim`` reduce once per cycle), bounds the reductions in flight, chains HSDP's outer stage to the
+inner one (:func:`~gradsync.buffers.collectives.chain`), and reopens a bucket reduced earlier in the
+cycle when more grads arrive (accumulation without ``no_sync()``). The wrapper decides *what* happens in
+its hooks; these two decide *when* it communicates.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gradsync.buffers import watchdog
-from gradsync.buffers.collectives import Launched
+from gradsync.buffers.collectives import Launched, chain
+from gradsync.buffers.grad_checks import LocalGradNorms
 
 from .allocators import BucketAllocator
 from .bucket import FlatParamBucket, GradReduction
@@ -72,13 +74,13 @@ class ReduceSchedule:
         reduction: GradReduction,
         *,
         overlap: bool,
-        check_for_nan: bool,
+        grad_norms: LocalGradNorms | None,
         cycle_ends: Callable[[], bool],
         queue_capacity: int,
     ) -> None:
         self.buckets = buckets
         self.sharding, self.outer, self.reduction = sharding, outer, reduction
-        self.overlap, self.check_for_nan, self.cycle_ends = overlap, check_for_nan, cycle_ends
+        self.overlap, self.grad_norms, self.cycle_ends = overlap, grad_norms, cycle_ends
         self.queue_capacity = queue_capacity  # elements in flight before the oldest is waited for
         self._ready: dict[int, set[int]] = {b.bucket_id: set() for b in buckets}
         self._completed: set[int] = set()  # in this backward
@@ -170,20 +172,21 @@ class ReduceSchedule:
             # grad buffers (no_shard, optim) cost nothing more in flight, and a wait would stall the backward
             while self.in_flight and sum(n for _, n in self.in_flight) + elements > self.queue_capacity:
                 self.in_flight.pop(0)[0].wait()
-        launched = bucket.launch_reduce(self.reduction, self.check_for_nan)
+        launched = bucket.launch_reduce(self.reduction, self.grad_norms)
         if self.outer is not None:
             if ends_cycle:
                 self._outer_pending.discard(bucket.bucket_id)
-                launched.after.append(lambda: self._launch_outer(bucket))
+                launched = chain(
+                    launched, lambda: self._launch_outer(bucket), self.outer.group, bucket.device
+                )
             else:
                 self._outer_pending.add(bucket.bucket_id)
         self.in_flight.append((launched, elements))
 
-    def _launch_outer(self, bucket: FlatParamBucket) -> None:
-        """Queue ``bucket``'s outer stage; it needs the inner reduction's result, so it starts once that
-        one is waited."""
+    def _launch_outer(self, bucket: FlatParamBucket) -> Launched:
+        """``bucket``'s outer stage (it needs the inner reduction's result: see :func:`chain`)."""
         self._reduced_this_cycle.add(bucket.bucket_id)
-        self.in_flight.append((bucket.launch_outer_reduce(self.reduction), bucket.layout.size))
+        return bucket.launch_outer_reduce(self.reduction)
 
     def launch_deferred(self) -> None:
         """The reductions waiting for the end of the cycle (no_shard / optim), and HSDP's outer stages of
@@ -194,7 +197,8 @@ class ReduceSchedule:
         if self._outer_pending:
             self.wait_all()
             for bucket_id in sorted(self._outer_pending):
-                self._launch_outer(self.buckets[bucket_id])
+                bucket = self.buckets[bucket_id]
+                self.in_flight.append((self._launch_outer(bucket), bucket.layout.size))
             self._outer_pending.clear()
 
     # --- waiting -------------------------------------------------------------------------------------
