@@ -239,16 +239,18 @@ def bench_overhead(session: nox.Session) -> None:
 
 @nox.session(name="bench-ab")
 def bench_ab(session: nox.Session) -> None:
-    """Benchmark (not a test): gradsync DDP vs torch DDP, their steps interleaved in the same processes, at 4
-    and 25 MiB buckets, as ratios to the compute floor and to torch DDP."""
-    install_local(session, "ddp", "finalize")
+    """Benchmark (not a test): every gradsync strategy, torch DDP, torch FSDP2 and DeepSpeed ZeRO-1/2/3, their
+    steps interleaved in the same processes, as ratios to the compute floor and to torch DDP (arguments go
+    to benchmarks/bench_ab.py: --systems, --repeats, --bucket-mb, --steps)."""
+    install_local(session, "ddp", "fsdp", "finalize", extra=("deepspeed",))
     session.run("python", str(ROOT / "benchmarks" / "bench_ab.py"), *session.posargs)
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmark (not a test): gradsync's DDP and FSDP strategies vs torch DDP, torch FSDP2 and DeepSpeed
-    ZeRO-1/2/3 in one run, as ratios to the compute floor; writes benchmarks/RESULTS.md and results.png."""
+    ZeRO-1/2/3: step times interleaved in the same processes (repeated), peak RSS and wire bytes from each
+    system alone, as ratios to the compute floor; writes benchmarks/RESULTS.md and results.png."""
     install_local(session, "ddp", "fsdp", "finalize", extra=("deepspeed", "matplotlib"))
     session.run("python", str(ROOT / "benchmarks" / "bench.py"), *session.posargs)
 

@@ -1,6 +1,9 @@
 """`nox -s bench`: gradsync's DDP and FSDP strategies side by side with torch DDP, torch FSDP2 and DeepSpeed
-ZeRO-1/2/3, in one run on the same model, batch and ranks, each as a ratio to the compute floor (the same
-model and per-rank batch on one rank, no communication). Writes benchmarks/RESULTS.md and results.png.
+ZeRO-1/2/3 on the same model, batch and ranks. Step times come from bench_ab.py: every system's steps
+interleaved in the same processes (so the machine's drift touches all alike), as ratios to the compute
+floor measured in the same processes, over ``--repeats`` fresh jobs (median and spread). Peak memory and
+wire bytes come from each system run alone in its own processes (bench_worker.py), where peak RSS is that
+system's. Writes benchmarks/RESULTS.md (one table, with the commit and versions) and results.png.
 """
 
 from __future__ import annotations
@@ -29,7 +32,23 @@ GRADSYNC = [
     "gradsync-fsdp-optim_grads_params",
     "gradsync-fsdp-optim_grads_params+double-buffer",
 ]
-PEERS = ["torch-ddp", "torch-fsdp2", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"]
+PEERS = [
+    "torch-ddp",
+    "torch-fsdp2-no-reshard",
+    "torch-fsdp2",
+    "deepspeed-zero1",
+    "deepspeed-zero2",
+    "deepspeed-zero3",
+]
+TARGETS = [  # (system, peer, at most this ratio of the peer's step time): issue 20's targets
+    ("gradsync-fsdp-no_shard", "gradsync-ddp+overlap", 1.0),
+    ("gradsync-fsdp-optim", "gradsync-ddp+distopt", 1.0),
+    ("gradsync-fsdp-no_shard", "torch-ddp", 1.0),
+    ("gradsync-fsdp-optim", "torch-ddp", 1.0),
+    ("gradsync-fsdp-optim", "deepspeed-zero1", 1.0),
+    ("gradsync-fsdp-optim_grads", "deepspeed-zero2", 1.0),
+    ("gradsync-fsdp-optim_grads_params", "torch-fsdp2", 0.90),
+]
 
 
 def launch(system: str, nproc: int, extra: list[str]) -> Result:
@@ -97,41 +116,80 @@ def ring_minimum(param_bytes: float, world: int) -> float:
     return 2 * (world - 1) / world * param_bytes
 
 
-def write_results(rows: list[Result], floor: Result, args: argparse.Namespace) -> Path:
+MEMORY_PEERS = {  # each gradsync strategy against the peers that shard as much
+    "gradsync-ddp": ["torch-ddp"],
+    "gradsync-ddp+overlap": ["torch-ddp"],
+    "gradsync-fsdp-no_shard": ["torch-ddp"],
+    "gradsync-ddp+distopt": ["deepspeed-zero1"],
+    "gradsync-ddp+distopt+overlap-param-gather": ["deepspeed-zero1"],
+    "gradsync-fsdp-optim": ["deepspeed-zero1"],
+    "gradsync-fsdp-optim_grads": ["deepspeed-zero2", "torch-fsdp2-no-reshard"],
+    "gradsync-fsdp-optim_grads_params": ["torch-fsdp2", "deepspeed-zero3"],
+    "gradsync-fsdp-optim_grads_params+double-buffer": ["torch-fsdp2", "deepspeed-zero3"],
+}
+
+
+def write_results(
+    times: dict[str, dict[str, float]], rows: dict[str, Result], floor: Result, args: argparse.Namespace
+) -> Path:
+    """One table: step times from the interleaved runs (``times``, bench_ab's summary), wire bytes and
+    peak RSS from the runs alone (``rows``); then the issue's targets, met or not."""
+    from bench_ab import commit
+
     world = args.nproc
     lines = [
         "# Benchmarks: gradsync vs torch DDP, torch FSDP2 and DeepSpeed ZeRO",
         "",
-        f"Written by `nox -s bench` (benchmarks/bench.py). Machine: {machine()}.",
+        f"Written by `nox -s bench` (benchmarks/bench.py) at commit {commit()}. Machine: {machine()}.",
         "",
         f"Model: the integration toy GPT, {floor['params'] / 1e6:.2f}M params (d_model {args.d_model}, "
         f"{args.n_layer} layers, seq {args.seq_len}), fp32, AdamW. {world} gloo ranks with one thread each, "
-        f"{args.batch_per_rank} sequences per rank per step; buckets of {args.bucket_mb} MiB wherever a "
-        f"system has them. Median of {args.steps} steps after {args.warmup} warm-up steps; the slowest "
-        "rank counts.",
+        f"8 sequences per rank per step; buckets of {args.bucket_mb} MiB wherever a system has them.",
         "",
-        "- **step / floor**: step time over the compute floor's (the same model and per-rank batch on one "
-        "rank, no communication, measured in this run).",
-        "- **exposed comm**: step time minus the floor, i.e. the communication (and wrapper overhead) that "
-        "computation did not hide.",
+        f"- **step / floor**: every system's steps interleaved in the same processes (one step of each in "
+        f"turn, a barrier before each), so a drift of the machine's speed touches all alike; each system's "
+        f"median step of {args.steps} (after 3 warm-up steps, the slowest rank counting) over the compute "
+        "floor's (the same model and per-rank batch in the same processes, no wrapper, no communication). "
+        f"The median over {args.repeats} such jobs in fresh processes, and their spread (lowest-highest).",
         "- **wire / ring min**: bytes each rank wrote to its sockets per step (`wchar` in /proc/self/io; "
         "gloo sends over TCP) over the ring minimum for summing the grads, 2(p-1)/p x param bytes "
-        f"= {ring_minimum(floor['param_bytes'], world) / 2**20:.1f} MiB.",
-        "- **peak RSS / floor**: the largest rank's peak resident memory over the floor's.",
+        f"= {ring_minimum(floor['param_bytes'], world) / 2**20:.1f} MiB; and **peak RSS / floor**, the "
+        "largest rank's peak resident memory over the floor's (one rank): both from each system run alone "
+        "in its own processes, where peak RSS is that system's.",
         "",
-        "| system | ms/step | step / floor | exposed comm ms | wire MiB/step | wire / ring min | "
+        "| system | ms/step | step / floor | spread over repeats | wire MiB/step | wire / ring min | "
         "peak RSS MiB | peak RSS / floor |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for row in [floor, *rows]:
-        exposed = 1000 * (row["step_s"] - floor["step_s"])
+    for system, timing in times.items():
+        row = rows.get(system, floor)
         wire = row["wire_bytes_per_step"]
-        ring = ring_minimum(row["param_bytes"], world) if row is not floor else 0.0
+        ring = ring_minimum(row["param_bytes"], world) if system != "floor" else 0.0
         lines.append(
-            f"| {row['system']} | {1000 * row['step_s']:.1f} | {row['step_s'] / floor['step_s']:.2f}x | "
-            f"{exposed:.1f} | {wire / 2**20:.1f} | {wire / ring if ring else 0:.2f}x | "
-            f"{row['peak_rss_bytes'] / 2**20:.0f} | {row['peak_rss_bytes'] / floor['peak_rss_bytes']:.2f}x |"
+            f"| {system} | {1000 * timing['step_s']:.1f} | {timing['ratio']:.3f}x | "
+            f"{timing['ratio_lo']:.3f}-{timing['ratio_hi']:.3f} | {wire / 2**20:.1f} | "
+            f"{wire / ring if ring else 0:.2f}x | {row['peak_rss_bytes'] / 2**20:.0f} | "
+            f"{row['peak_rss_bytes'] / floor['peak_rss_bytes']:.2f}x |"
         )
+    lines += ["", "Targets (issue 20), step times as ratios in the same interleaved runs:", ""]
+    for system, peer, bound in TARGETS:
+        if system in times and peer in times:
+            ratio = times[system]["ratio"] / times[peer]["ratio"]
+            verdict = "met" if ratio <= bound else "missed"
+            lines.append(
+                f"- {system} {times[system]['ratio']:.3f}x against {peer} {times[peer]['ratio']:.3f}x: "
+                f"{ratio:.3f} of it (target <= {bound:.2f}): {verdict}"
+            )
+    for system, peers in MEMORY_PEERS.items():
+        present = [p for p in peers if p in rows]
+        if system in rows and present:
+            mine = rows[system]["peak_rss_bytes"]
+            worst = min(rows[p]["peak_rss_bytes"] for p in present)
+            verdict = "met" if mine <= worst else "missed"
+            lines.append(
+                f"- peak RSS of {system} {mine / 2**20:.0f} MiB against {', '.join(present)} "
+                f"(lowest {worst / 2**20:.0f} MiB): {verdict}"
+            )
     lines += [
         "",
         "Reading the wire column: gloo's `reduce_scatter_tensor` all-reduces and keeps its part, so it "
@@ -148,13 +206,8 @@ def write_results(rows: list[Result], floor: Result, args: argparse.Namespace) -
         "allocated per gather and per backward; its peak RSS next to fsdp-optim_grads_params is what the "
         "allocator changes in memory. It also serialises more: a grad waits for the oldest reduction to "
         "free a buffer, and prefetch stops while two blocks hold both.",
-        "",
-        "Each system runs in its own processes, one after another, so a drift of the machine's speed "
-        "between systems (10-25 % on this machine) moves their ratios. `nox -s bench-ab` times gradsync "
-        "DDP and torch DDP step by step in the same processes instead, which cancels the drift (results "
-        "in packages/gradsync-ddp/README.md).",
     ]
-    png = plot(HERE / "results.png", floor, rows)
+    png = plot(HERE / "results.png", times)
     if png:
         lines += ["", f"![step time over the floor]({png.name})"]
     path = HERE / "RESULTS.md"
@@ -162,7 +215,7 @@ def write_results(rows: list[Result], floor: Result, args: argparse.Namespace) -
     return path
 
 
-def plot(path: Path, floor: Result, rows: list[Result]) -> Path | None:
+def plot(path: Path, times: dict[str, dict[str, float]]) -> Path | None:
     try:
         import matplotlib
 
@@ -170,13 +223,20 @@ def plot(path: Path, floor: Result, rows: list[Result]) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    names = [r["system"] for r in rows]
-    ratios = [r["step_s"] / floor["step_s"] for r in rows]
+    names = [name for name in times if name != "floor"]
+    ratios = [times[n]["ratio"] for n in names]
+    spread = [
+        [times[n]["ratio"] - times[n]["ratio_lo"] for n in names],
+        [times[n]["ratio_hi"] - times[n]["ratio"] for n in names],
+    ]
     colours = ["tab:blue" if n.startswith("gradsync") else "tab:gray" for n in names]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    ax.barh(names, ratios, color=colours)
+    fig, ax = plt.subplots(figsize=(10, 5))
+    ax.barh(names, ratios, xerr=spread, color=colours)
     ax.axvline(1.0, color="black", linewidth=1, label="compute floor")
-    ax.set(xlabel="step time / compute floor (lower is better)", title="fp32 GPT step time, gloo on CPU")
+    ax.set(
+        xlabel="step time / compute floor, interleaved (lower is better)",
+        title="fp32 GPT step time, gloo on CPU",
+    )
     ax.invert_yaxis()
     ax.legend()
     fig.tight_layout()
@@ -186,27 +246,26 @@ def plot(path: Path, floor: Result, rows: list[Result]) -> Path | None:
 
 
 def main() -> None:
+    from bench_ab import run_repeats, summarise
+
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--systems", nargs="*", default=GRADSYNC + PEERS)
-    for flag, default in (
-        ("--batch-per-rank", 8),
-        ("--seq-len", 128),
-        ("--d-model", 256),
-        ("--n-layer", 6),
-        ("--bucket-mb", 4),
-        ("--warmup", 3),
-        ("--steps", 20),
-    ):
-        parser.add_argument(flag, type=int, default=default)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--memory-steps", type=int, default=5, help="steps of each run alone (peak RSS)")
+    parser.add_argument("--bucket-mb", type=int, default=4)
     args = parser.parse_args()
-    extra = [
-        f"--{name.replace('_', '-')}={getattr(args, name)}"
-        for name in ("batch_per_rank", "seq_len", "d_model", "n_layer", "bucket_mb", "warmup", "steps")
-    ]
+    args.batch_per_rank, args.seq_len, args.d_model, args.n_layer = 8, 128, 256, 6  # bench_ab's model
+    timed = argparse.Namespace(
+        nproc=args.nproc, steps=args.steps, repeats=args.repeats, systems=["floor", *args.systems]
+    )
+    times = summarise(run_repeats(timed, args.bucket_mb))
+    print("step times (interleaved):", json.dumps({k: round(v["ratio"], 3) for k, v in times.items()}))
+    extra = [f"--bucket-mb={args.bucket_mb}", "--warmup=2", f"--steps={args.memory_steps}"]
     floor = launch("floor", 1, extra)
-    rows = [launch(system, args.nproc, extra) for system in args.systems]
-    print(f"results: {write_results(rows, floor, args)}")
+    rows = {system: launch(system, args.nproc, extra) for system in args.systems}
+    print(f"results: {write_results(times, rows, floor, args)}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ SYSTEMS = [
     "gradsync-fsdp-optim",
     "gradsync-fsdp-optim_grads",
     "gradsync-fsdp-optim_grads_params",
+    "gradsync-fsdp-optim_grads_params+double-buffer",
     "torch-fsdp2-no-reshard",
     "torch-fsdp2",
     "deepspeed-zero1",
