@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from gradsync.buffers.plan import PUBLISHED, STRATEGIES, Prediction, predict, specs_from_shapes
-from gradsync.buffers.plan.__main__ import gpt_shapes
+from gradsync.buffers.plan.__main__ import gpt_shapes, gpt_units
 
 DPS = [8 * 2**k for k in range(10)]  # 8 ... 4096
 FORWARD, BACKWARD = 0.120, 0.240  # seconds per step on each rank (an assumed per-rank batch)
@@ -25,7 +25,8 @@ def sweep(costs_name: str, fixed: bool) -> dict[str, list[Prediction]]:
     return {
         strategy: [
             predict(strategy, specs, dp, costs, bucket_size=40_000_000 if fixed else None,
-                    forward_seconds=FORWARD, backward_seconds=BACKWARD, pad_for_high_nccl_busbw=True)
+                    forward_seconds=FORWARD, backward_seconds=BACKWARD, pad_for_high_nccl_busbw=True,
+                    units=gpt_units(32))
             for dp in DPS
         ]
         for strategy in STRATEGIES

@@ -14,11 +14,12 @@ import pytest
 from torch import nn
 
 from gradsync.buffers.plan import PUBLISHED, LinkCosts, predict, recommend_bucket_size, specs_from_shapes
-from gradsync.buffers.plan.__main__ import gpt_shapes, module_shapes
-from gradsync.buffers.plan.predict import FP32, bucket_sizes
+from gradsync.buffers.plan.__main__ import gpt_shapes, gpt_units, module_shapes
+from gradsync.buffers.plan.predict import ADAM_STATE_BYTES, FP32, bucket_sizes
 
 COSTS = LinkCosts.uniform("test", alpha=1e-5, busbw_gbps=10.0, source="test")
 SPECS = specs_from_shapes(gpt_shapes(64, 4, 1000))
+UNITS = gpt_units(4)
 
 
 def test_collective_costs_follow_the_ring_and_tree_formulas() -> None:
@@ -55,7 +56,25 @@ def test_wire_bytes_and_memory_per_strategy() -> None:
     assert ddp.wire_bytes == pytest.approx(2 * 3 / 4 * padded * FP32)
     assert distopt.wire_bytes == pytest.approx(ddp.wire_bytes)  # reduce-scatter + all-gather = all-reduce
     assert distopt.peak_bytes < ddp.peak_bytes  # the optimizer state is sharded
-    assert predict("zero3", SPECS, dp, COSTS).peak_bytes < distopt.peak_bytes
+    assert predict("zero3", SPECS, dp, COSTS, units=UNITS).peak_bytes < distopt.peak_bytes
+
+
+def test_zero3_models_the_units_and_the_params_outside_them() -> None:
+    """Units are the model's FSDP units (one bucket each); the embedding and final norm, outside every
+    unit, are gathered once, held whole through the step and their grads too; the last unit is gathered
+    once (kept from its forward into the backward). Worked by hand from the padded bucket sizes."""
+    dp = 4
+    numels = [s.numel for s in SPECS]
+    unit = sum(bucket_sizes(numels[1:13], None, dp))  # the four blocks are alike
+    outside = sum(bucket_sizes([numels[0], numels[-2], numels[-1]], 40_000_000, dp))
+    got = predict("zero3", SPECS, dp, COSTS, units=UNITS)
+    padded = 4 * unit + outside
+    assert got.buckets == 4 + 1
+    assert got.wire_bytes == pytest.approx(3 / 4 * ((4 + 3) * unit + outside + padded) * FP32)
+    state = padded / dp * (2 * FP32 + ADAM_STATE_BYTES)
+    assert got.peak_bytes == pytest.approx(state + (2 * outside + 5 * unit) * FP32)
+    with pytest.raises(ValueError, match="zero3 needs each param's FSDP unit"):
+        predict("zero3", SPECS, dp, COSTS)
 
 
 def test_overlap_simulation() -> None:
@@ -89,9 +108,10 @@ def tiny() -> nn.Module:
 
 
 def test_command_line(tmp_path: Path) -> None:
-    assert module_shapes(f"{__name__}:tiny") == [[16, 8], [16], [4, 16], [4]]
+    assert module_shapes(f"{__name__}:tiny") == ([[16, 8], [16], [4, 16], [4]], None)
+    assert module_shapes(f"{__name__}:tiny", "Linear")[1] == [0, 0, 1, 1]
     shapes = tmp_path / "shapes.json"
-    shapes.write_text(json.dumps(gpt_shapes(64, 2, 100)))
+    shapes.write_text(json.dumps({"shapes": gpt_shapes(64, 2, 100), "units": gpt_units(2)}))
     command = [sys.executable, "-m", "gradsync.buffers.plan", "--shapes", str(shapes), "--dp", "2", "64"]
     out = subprocess.run(
         [*command, "--costs", "nccl-h100-nvlink"], capture_output=True, text=True, check=True

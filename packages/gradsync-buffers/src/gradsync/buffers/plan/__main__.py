@@ -3,7 +3,10 @@
     python -m gradsync.buffers.plan --gpt 4096 32 50304 --dp 8 64 512 4096 --costs nccl-h100-ib \\
         --forward-ms 120 --backward-ms 240
     python -m gradsync.buffers.plan --shapes shapes.json --dp 2 4 --costs gloo.json
-    python -m gradsync.buffers.plan --module mypkg.model:build --dp 64      (built on the meta device)
+    python -m gradsync.buffers.plan --module mypkg.model:build --unit-class Block --dp 64   (meta device)
+
+``zero3`` needs the FSDP units: ``--gpt`` knows them (one per block), ``--module`` takes them from
+``--unit-class``, a ``--shapes`` file gives them as ``{"shapes": [...], "units": [id or null, ...]}``.
     python -m gradsync.buffers.plan --calibrate gloo.json                    (measure gloo's α and β here)
 """
 
@@ -31,13 +34,29 @@ def gpt_shapes(d_model: int, n_layer: int, vocab: int) -> list[list[int]]:
     return [[vocab, d], *block * n_layer, [d], [d]]
 
 
-def module_shapes(target: str) -> list[list[int]]:
-    """Build ``module:callable`` on the meta device and read its param shapes."""
+def gpt_units(n_layer: int) -> list[int | None]:
+    """:func:`gpt_shapes`' FSDP units: each block one unit, the embedding and final norm outside."""
+    return [None, *(layer for layer in range(n_layer) for _ in range(12)), None, None]
+
+
+def module_shapes(
+    target: str, unit_class: str | None = None
+) -> tuple[list[list[int]], list[int | None] | None]:
+    """Build ``module:callable`` on the meta device; its param shapes, and each param's unit (the
+    outermost submodule whose class is named ``unit_class``) when one is named."""
     module_name, _, attribute = target.partition(":")
     factory = getattr(importlib.import_module(module_name), attribute)
     with torch.device("meta"):
         model = factory()
-    return [list(p.shape) for p in model.parameters()]
+    shapes = [list(p.shape) for p in model.parameters()]
+    if unit_class is None:
+        return shapes, None
+    unit_of: dict[int, int] = {}
+    for module in model.modules():
+        if type(module).__name__ == unit_class and not any(id(p) in unit_of for p in module.parameters()):
+            unit = len({*unit_of.values()})
+            unit_of.update((id(p), unit) for p in module.parameters())
+    return shapes, [unit_of.get(id(p)) for p in model.parameters()]
 
 
 def costs_from(name: str) -> LinkCosts:
@@ -70,6 +89,7 @@ def main() -> None:
     parser.add_argument("--dp", type=int, nargs="+", default=[8, 64, 512, 4096])
     parser.add_argument("--strategy", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--bucket-size", type=int, help="elements (default: max(40M, 1M x dp))")
+    parser.add_argument("--unit-class", help="with --module: the FSDP unit class name (for zero3)")
     parser.add_argument(
         "--costs", default="nccl-h100-ib", help=f"{', '.join(PUBLISHED)} or a calibration JSON"
     )
@@ -82,12 +102,16 @@ def main() -> None:
         calibrate.save(fitted, measured, args.calibrate)
         print(json.dumps({"alpha": fitted.alpha, "beta": fitted.beta}, indent=1))
         return
+    units: list[int | None] | None = None
     if args.gpt:
-        shapes = gpt_shapes(*args.gpt)
+        shapes, units = gpt_shapes(*args.gpt), gpt_units(args.gpt[1])
     elif args.shapes:
-        shapes = json.loads(args.shapes.read_text())
+        loaded = json.loads(args.shapes.read_text())
+        shapes, units = (
+            (loaded["shapes"], loaded.get("units")) if isinstance(loaded, dict) else (loaded, None)
+        )
     else:
-        shapes = module_shapes(args.module)
+        shapes, units = module_shapes(args.module, args.unit_class)
     specs: list[ParamSpec] = specs_from_shapes(shapes)
     costs = costs_from(args.costs)
     forward, backward = args.forward_ms / 1e3, args.backward_ms / 1e3
@@ -96,9 +120,14 @@ def main() -> None:
           "| recommended bucket |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     for strategy in args.strategy:
+        if strategy == "zero3" and units is None:
+            print(
+                "| zero3 | - | - | - | - | - | - | - | - | needs units (--unit-class, or units in --shapes) |"
+            )
+            continue
         for dp in args.dp:
             p = predict(strategy, specs, dp, costs, bucket_size=args.bucket_size,
-                        forward_seconds=forward, backward_seconds=backward)  # fmt: skip
+                        forward_seconds=forward, backward_seconds=backward, units=units)  # fmt: skip
             if strategy == "zero3":  # buckets are the FSDP units, not a size
                 print(row(p, "- (per unit)"))
                 continue

@@ -9,8 +9,13 @@ a gather must finish before the forward reaches its params. Exposed time is how 
 
 Strategies (fp32 params and grads, Adam: two fp32 states per param; ``ddp``: all-reduce per bucket;
 ``distopt``: reduce-scatter per bucket, then the param all-gather overlapped with the next forward;
-``zero3``: one unit per bucket, gathered before its forward and again before its backward (one unit
-prefetched), its grads reduce-scattered after its backward.
+``zero3``: the model's FSDP units (``units``: each param's unit, None outside every unit), one bucket
+each, gathered before its forward and again before its backward (one unit prefetched; the last unit stays
+gathered from its forward into the backward), its grads reduce-scattered after its backward; the params
+outside units form buckets (split at the bucket size) gathered at the forward's start, held whole through
+the step, their grads reduce-scattered at the backward's end. Peak memory follows gradsync-fsdp's
+schedule: the sharded state, the non-unit buckets' weights and unreduced grads whole, two units' weights
+(one computing, one prefetched) and three units' unreduced grads (two reductions in flight, one filling).
 """
 
 from __future__ import annotations
@@ -128,17 +133,19 @@ def predict(
     forward_seconds: float = 0.0,
     backward_seconds: float = 0.0,
     pad_for_high_nccl_busbw: bool = False,
+    units: Sequence[int | None] | None = None,
 ) -> Prediction:
-    """One step of ``strategy`` at ``dp`` ranks; ``bucket_size`` defaults to the reference's rule."""
+    """One step of ``strategy`` at ``dp`` ranks; ``bucket_size`` defaults to the reference's rule.
+    ``units`` (``zero3`` only, required there): each spec's FSDP unit, None outside every unit."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
     size = bucket_size if bucket_size is not None else default_bucket_size(dp)
     numels = [s.numel for s in specs]
     psi = sum(numels)
-    if strategy == "zero3":  # one unit per param group of about a layer: the reference buckets per unit
-        sizes = bucket_sizes(numels, max(numels), dp, pad_for_high_nccl_busbw)
-    else:
-        sizes = bucket_sizes(numels, size, dp, pad_for_high_nccl_busbw)
+    if strategy == "zero3":
+        return _predict_zero3(numels, dp, costs, size, forward_seconds, backward_seconds,
+                              pad_for_high_nccl_busbw, units)  # fmt: skip
+    sizes = bucket_sizes(numels, size, dp, pad_for_high_nccl_busbw)
     share = (dp - 1) / dp
     padded = sum(sizes)
     collectives: list[tuple[str, int]] = []
@@ -154,18 +161,62 @@ def predict(
         exposed = _reduce_exposed(sizes, "reduce_scatter", costs, dp, backward_seconds) + _gather_exposed(
             sizes, costs, dp, forward_seconds
         )
-    else:
-        collectives = [("all_gather", s) for s in sizes] * 2 + [("reduce_scatter", s) for s in sizes]
-        wire = 3 * share * padded * FP32
-        largest = max(sizes)
-        peak = padded / dp * (FP32 * 2 + ADAM_STATE_BYTES) + 3 * largest * FP32  # two units + one grad
-        exposed = _zero3_exposed(sizes, costs, dp, forward_seconds, backward_seconds)
+    return _prediction(strategy, dp, size, len(sizes), costs, collectives, exposed, wire, peak,
+                       overlapped=forward_seconds > 0.0 or backward_seconds > 0.0)  # fmt: skip
+
+
+def _prediction(
+    strategy: str,
+    dp: int,
+    size: int,
+    buckets: int,
+    costs: LinkCosts,
+    collectives: list[tuple[str, int]],
+    exposed: float,
+    wire: float,
+    peak: float,
+    overlapped: bool,
+) -> Prediction:
     terms = [costs.terms(kind, s * FP32, dp) for kind, s in collectives]
     comm = sum(a + b for a, b in terms)
     latency = sum(a for a, _ in terms)
-    if forward_seconds == 0.0 and backward_seconds == 0.0:
-        exposed = comm  # nothing to overlap with
-    return Prediction(strategy, dp, size, len(sizes), comm, exposed, latency, wire, peak)
+    return Prediction(strategy, dp, size, buckets, comm, exposed if overlapped else comm, latency, wire, peak)
+
+
+def _predict_zero3(
+    numels: Sequence[int],
+    dp: int,
+    costs: LinkCosts,
+    size: int,
+    forward: float,
+    backward: float,
+    pad: bool,
+    units: Sequence[int | None] | None,
+) -> Prediction:
+    if units is None or len(units) != len(numels):
+        raise ValueError("zero3 needs each param's FSDP unit (units=[unit id or None per param])")
+    unit_ids = sorted({u for u in units if u is not None})
+    if not unit_ids:
+        raise ValueError("zero3: no param is in an FSDP unit")
+    unit_sizes = [  # one bucket per unit, padded as the layout pads it
+        sum(bucket_sizes([n for n, u in zip(numels, units, strict=True) if u == unit], None, dp, pad))
+        for unit in unit_ids
+    ]
+    outside = [n for n, u in zip(numels, units, strict=True) if u is None]
+    other_sizes = bucket_sizes(outside, size, dp, pad) if outside else []
+    share, padded = (dp - 1) / dp, sum(unit_sizes) + sum(other_sizes)
+    gathered = [*unit_sizes, *unit_sizes[:-1], *other_sizes]  # the last unit is kept into the backward
+    collectives = [("all_gather", s) for s in gathered] + [
+        ("reduce_scatter", s) for s in (*unit_sizes, *other_sizes)
+    ]
+    wire = share * (sum(gathered) + padded) * FP32
+    largest, whole = max(unit_sizes), sum(other_sizes)
+    peak = padded / dp * (FP32 * 2 + ADAM_STATE_BYTES) + (2 * whole + 2 * largest + 3 * largest) * FP32
+    exposed = _zero3_exposed(list(reversed(unit_sizes)), costs, dp, forward, backward)
+    exposed += sum(costs.time("all_gather", s * FP32, dp) + costs.time("reduce_scatter", s * FP32, dp)
+                   for s in other_sizes)  # fmt: skip
+    return _prediction("zero3", dp, size, len(unit_sizes) + len(other_sizes), costs, collectives, exposed,
+                       wire, peak, overlapped=forward > 0.0 or backward > 0.0)  # fmt: skip
 
 
 def recommend_bucket_size(
