@@ -203,3 +203,35 @@ def step_under_sync_debug(strategy: str) -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_training_step_has_no_host_sync_on_cuda(strategy: str) -> None:
     run_distributed(step_under_sync_debug, 1, args=(strategy,))
+
+
+def recorded_collectives(strategy: str) -> list[tuple[str, int, int]]:
+    """The buckets' CommStats after one step's backward and the next forward: (op, bytes, expected)."""
+    model = wrap(strategy)
+    optimizer = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    optimizer.zero_grad()
+    model(local_microbatches(0, rank, world, 1)[0]).backward()
+    optimizer.step()
+    model(local_microbatches(1, rank, world, 1)[0])  # the forward gathers the update (ZeRO-1/2/3)
+    return [
+        (record.op, record.bytes, bucket.layout.size * 4)
+        for bucket in model.buckets
+        for record in bucket.stats.records
+    ]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "ops"),
+    [
+        ("no_shard", {"all_reduce"}),
+        ("optim", {"reduce_scatter", "all_gather"}),
+        ("optim_grads_params", {"reduce_scatter", "all_gather"}),
+    ],
+)
+def test_buckets_account_bytes_in_comm_stats(strategy: str, ops: set[str]) -> None:
+    """One byte accounting for both wrappers (gradsync-buffers' CommStats): every collective of a bucket
+    is recorded with its op and its payload, the whole fp32 bucket; zero_grad_buffer starts a new step."""
+    for records in run_distributed(recorded_collectives, 2, args=(strategy,)):
+        assert {op for op, _, _ in records} == ops
+        assert all(sent == whole for _, sent, whole in records)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from gradsync.buffers.collectives import Launched, all_gather_shards, all_reduce, chain, reduce_scatter
 from gradsync.buffers.grad_checks import LocalGradNorms
+from gradsync.buffers.stats import CommStats
 
 from .allocators import BucketAllocator, BufferRequest, StorageResizeBucketAllocator, TemporaryBucketAllocator
 from .hsdp import OuterReplication
@@ -143,7 +144,7 @@ class FlatParamBucket:
                 for param, item in zip(spec.params, self.layout.items, strict=True):
                     param.main_grad = self._item_view(self.grad, 0, item.offset, item.end, item.shape)  # type: ignore[attr-defined]
         self.status = BucketStatus.READY_TO_USE
-        self.communicated_bytes = 0
+        self.stats = CommStats()  # this step's collectives (bytes, spans), as gradsync-ddp's bucket groups
         self._gather: Launched | None = None
         if sharding.shard_params:
             self.release()
@@ -213,7 +214,7 @@ class FlatParamBucket:
             assert self.outer is not None
             assert self.weight_shard is not None
             self._outer_stale = False
-            self.communicated_bytes += self.weight_shard.numel() * self.weight_shard.element_size()
+            self._record("all_gather", self.weight_shard, self.outer.group)
             outer = all_gather_shards(self.weight_shard, self.outer.group, label=f"{self.label}.outer")
             self._gather = chain(outer, self._gather_inner, self.outer.group, self.device)
         else:
@@ -223,7 +224,7 @@ class FlatParamBucket:
     def _gather_inner(self) -> Launched:
         if self.weight_shard is not None:
             self.weight[self.shard_lo : self.shard_hi].copy_(self.weight_shard)
-        self.communicated_bytes += self.weight.numel() * self.weight.element_size()
+        self._record("all_gather", self.weight, self.group)
         return all_gather_shards(self.weight, self.group, label=self.label)
 
     def wait_gather(self) -> None:
@@ -324,7 +325,7 @@ class FlatParamBucket:
         else:
             launched = reduce_scatter(wire, self.group, average=reduction.average, label=self.label)
         launched.after.append(lambda: self._finish_reduce(wire))
-        self.communicated_bytes += wire.numel() * wire.element_size()
+        self._record("all_reduce" if not self.sharding.shard_main else "reduce_scatter", wire, self.group)
         return launched
 
     def _unreduced_grads(self) -> torch.Tensor:
@@ -396,8 +397,11 @@ class FlatParamBucket:
 
             launched.after.append(copy_back)
         launched.after.append(self._add_back_reduced)
-        self.communicated_bytes += wire.numel() * wire.element_size()
+        self._record("reduce_scatter" if self.outer.shard else "all_reduce", wire, self.outer.group)
         return launched
+
+    def _record(self, op: str, payload: torch.Tensor, group: dist.ProcessGroup) -> None:
+        self.stats.begin(op, payload.numel() * payload.element_size(), group.size(), payload.device)
 
     def grad_view(self, index: int) -> torch.Tensor | None:
         """Item ``index``'s reduced grad rows owned by this rank (None when it owns none)."""

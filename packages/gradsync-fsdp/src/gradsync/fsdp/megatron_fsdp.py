@@ -346,7 +346,7 @@ class MegatronFSDP(nn.Module):
 
     def communicated_bytes(self) -> int:
         """Bytes this rank handed to gathers and grad reductions since the last ``zero_grad_buffer``."""
-        return sum(bucket.communicated_bytes for bucket in self.buckets)
+        return sum(bucket.stats.total_bytes for bucket in self.buckets)
 
     def memory_stats(self) -> dict[str, AllocatorStats]:
         """Allocations and live / peak bytes of every temporary-buffer allocator, keyed
@@ -631,7 +631,7 @@ class MegatronFSDP(nn.Module):
                 param.grad = None
         self._grads_finished = False
         for bucket in self.buckets:
-            bucket.communicated_bytes = 0
+            bucket.stats.reset()
         telemetry.next_step()
 
     def _install_if_stepped(self) -> None:
