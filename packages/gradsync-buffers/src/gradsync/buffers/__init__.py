@@ -42,7 +42,13 @@ from .scaling import gradient_scaling_factors
 from .stats import CollectiveRecord, CommStats
 from .telemetry import CommTelemetry, active_telemetry, disable_telemetry, enable_telemetry
 from .version import __version__
-from .watchdog import CollectiveHangError, HangWatchdog, start_hang_watchdog, stop_hang_watchdog
+from .watchdog import (
+    CollectiveHangError,
+    HangWatchdog,
+    pause_hang_watchdog,
+    start_hang_watchdog,
+    stop_hang_watchdog,
+)
 
 # Megatron-Core's private names, for code that imports them (_ParamAndGradBuffer takes Megatron's
 # constructor arguments, so it is a class of its own).
@@ -91,6 +97,7 @@ __all__ = [
     "pad_param_start",
     "pad_to_divisor",
     "partition_buckets",
+    "pause_hang_watchdog",
     "reduce_scatter_with_fp32_accumulation",
     "refuse_fields_ddp_cannot_honour",
     "shard_buffer",

@@ -42,7 +42,7 @@ class Issued:
 
     works: list[Any]
     span: telemetry.CommSpan | None
-    watch: tuple[tuple[int, ...], int, str, str] | None
+    watch: tuple[tuple[int, ...], int, bool, str, str] | None
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Launched:
         if recorder is None and guard is None:
             return self
         span = recorder.launched(kind, label, payload, group, self.works) if recorder is not None else None
-        watch = (*guard.launched_on(group), label, kind) if guard is not None else None
+        watch = (*guard.launched_on(group, payload.device), label, kind) if guard is not None else None
         self.issued.append(Issued(list(self.works), span, watch))
         return self
 

@@ -17,17 +17,29 @@ The side group is itself guarded: each round has a timeout, a round that fails (
 or exited) ends the heartbeats, and the last complete round is what the diagnosis uses; the error then
 also says how long the side group has been silent. Heartbeats stop together: a thread leaves only after
 a round in which every rank asked to stop.
+
+Where ``wait()`` only orders the device stream (NCCL: polling ``is_completed()`` from the main thread would
+make the host wait for the GPU), waits stay stream-ordered: the work is handed to the heartbeat thread,
+which polls the outstanding works each round and declares the hang; the main thread raises it at its next
+collective wait. ``paused()`` (or :func:`pause_hang_watchdog`) covers a legitimately long wait, such as a
+checkpoint write on some ranks: no rank declares a hang while it, or a rank its collective waits for, is
+paused, and the clocks of waits in progress restart when the pause ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
+
+from gradsync.groups import get_backend_capabilities
 
 _MAX_NAMES = 8  # params named per bucket group in a message
 
@@ -49,6 +61,7 @@ class _Waiting:
     label: str
     kind: str
     since: float
+    work: Any = None  # a work the heartbeat thread tracks (stream-ordered waits)
 
 
 @dataclass
@@ -61,6 +74,7 @@ class Progress:
     pending: dict[str, str]
     hang: str | None
     stopping: bool
+    paused: bool = False
     time: float = field(default_factory=time.monotonic)
 
 
@@ -68,8 +82,14 @@ class HangWatchdog:
     """This rank's counters, its heartbeat thread and the diagnosis (see the module docstring)."""
 
     def __init__(
-        self, threshold_s: float, sources: list[HasPendingGrads], side_group: dist.ProcessGroup
+        self,
+        threshold_s: float,
+        sources: list[HasPendingGrads],
+        side_group: dist.ProcessGroup,
+        stream_ordered: bool | None = None,
     ) -> None:
+        """``stream_ordered``: track every wait in the heartbeat thread (True) or poll it (False); None
+        decides per collective from its group's backend and device."""
         self.threshold_s = threshold_s
         self.interval_s = max(threshold_s / 4, 0.05)
         self.sources = sources
@@ -82,25 +102,45 @@ class HangWatchdog:
         self.last_round = time.monotonic()
         self.side_error: str | None = None
         self._stopping = False
+        self.stream_ordered = stream_ordered
+        self.tracked: list[_Waiting] = []  # stream-ordered waits not yet complete
+        self._paused = 0
         self._ranks: dict[dist.ProcessGroup, tuple[int, ...]] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._heartbeats, name="gradsync-hang-watchdog", daemon=True)
         self._thread.start()
 
     # --- called by the collectives -------------------------------------------------------------------
-    def launched_on(self, group: dist.ProcessGroup) -> tuple[tuple[int, ...], int]:
-        """Count one collective launched over ``group``; returns (group ranks, its sequence number)."""
+    def launched_on(
+        self, group: dist.ProcessGroup, device: torch.device
+    ) -> tuple[tuple[int, ...], int, bool]:
+        """Count one collective launched over ``group``; returns (group ranks, its sequence number,
+        whether its wait is stream-ordered and so tracked by the heartbeat thread)."""
         ranks = self._ranks.get(group)
         if ranks is None:
             ranks = self._ranks[group] = tuple(dist.get_process_group_ranks(group))
+        tracked = self.stream_ordered
+        if tracked is None:
+            tracked = get_backend_capabilities(group, device).stream_ordered_wait
         with self._lock:
             self.launched[ranks] = self.launched.get(ranks, 0) + 1
-            return ranks, self.launched[ranks]
+            return ranks, self.launched[ranks], tracked
 
-    def wait(self, work: Any, ranks: tuple[int, ...], sequence: int, label: str, kind: str) -> None:
-        """Wait for ``work`` by polling, raising once it has taken longer than the threshold."""
+    def wait(
+        self, work: Any, ranks: tuple[int, ...], sequence: int, tracked: bool, label: str, kind: str
+    ) -> None:
+        """Wait for ``work``: stream-ordered and handed to the heartbeat thread (``tracked``), or by
+        polling, raising once it has taken longer than the threshold (pauses excepted)."""
         self.raise_if_hung()
-        if not hasattr(work, "is_completed") or work.is_completed():
+        if not hasattr(work, "is_completed"):
+            work.wait()
+            return
+        if tracked:
+            with self._lock:
+                self.tracked.append(_Waiting(ranks, sequence, label, kind, time.monotonic(), work))
+            work.wait()
+            return
+        if work.is_completed():
             work.wait()
             return
         started = time.monotonic()
@@ -109,7 +149,9 @@ class HangWatchdog:
         try:
             while not work.is_completed():
                 self.raise_if_hung()
-                if time.monotonic() - started > self.threshold_s:
+                if self._paused_for(ranks):
+                    started = time.monotonic()  # the clock restarts once the pause ends
+                elif time.monotonic() - started > self.threshold_s:
                     self.hang = self._diagnose(ranks, sequence, label, kind, time.monotonic() - started)
                     raise CollectiveHangError(self.hang)
                 time.sleep(pause)
@@ -118,6 +160,35 @@ class HangWatchdog:
         finally:
             self.waiting = None
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No hang is declared by or about this rank while inside (a checkpoint write, say); waits in
+        progress anywhere restart their clocks afterwards. Nests."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def _paused_for(self, ranks: tuple[int, ...]) -> bool:
+        """This rank, or one of ``ranks`` as of its last heartbeat, is paused."""
+        peers = self.peers
+        return self._paused > 0 or any(peers[r].paused for r in ranks if r in peers)
+
+    def _check_tracked(self) -> None:
+        """Heartbeat thread: drop completed tracked works, declare the hang of one past the threshold."""
+        now = time.monotonic()
+        with self._lock:
+            self.tracked = [w for w in self.tracked if not w.work.is_completed()]
+            outstanding = list(self.tracked)
+        for waiting in outstanding:
+            if self._paused_for(waiting.group):
+                waiting.since = now
+            elif now - waiting.since > self.threshold_s and self.hang is None:
+                self.hang = self._diagnose(
+                    waiting.group, waiting.sequence, waiting.label, waiting.kind, now - waiting.since
+                )
+
     def raise_if_hung(self) -> None:
         """Raise the hang some rank (this one included) has declared."""
         if self.hang is not None:
@@ -125,7 +196,9 @@ class HangWatchdog:
 
     # --- the side channel ----------------------------------------------------------------------------
     def _progress(self) -> Progress:
-        waiting = self.waiting
+        with self._lock:
+            oldest = self.tracked[0] if self.tracked else None
+        waiting = self.waiting or oldest
         pending: dict[str, str] = {}
         for source in self.sources:
             pending.update(source.pending_grads())
@@ -134,7 +207,7 @@ class HangWatchdog:
         state = None
         if waiting is not None:
             state = (waiting.group, waiting.sequence, waiting.label, waiting.kind, waiting.since)
-        return Progress(self.rank, launched, state, pending, self.hang, self._stopping)
+        return Progress(self.rank, launched, state, pending, self.hang, self._stopping, self._paused > 0)
 
     def _heartbeats(self) -> None:
         while True:
@@ -147,6 +220,7 @@ class HangWatchdog:
                 return
             self.peers = {p.rank: p for p in everyone}
             self.last_round = time.monotonic()
+            self._check_tracked()
             declared = next((p.hang for p in everyone if p.hang), None)
             if declared and self.hang is None:
                 self.hang = declared
@@ -221,10 +295,24 @@ def active_watchdog() -> HangWatchdog | None:
     return _switch.watchdog
 
 
-def start_hang_watchdog(threshold_s: float, models: list[Any] | None = None) -> HangWatchdog:
+@contextlib.contextmanager
+def pause_hang_watchdog() -> Iterator[None]:
+    """:meth:`HangWatchdog.paused` on the running watchdog; nothing when none runs."""
+    guard = _switch.watchdog
+    if guard is None:
+        yield
+        return
+    with guard.paused():
+        yield
+
+
+def start_hang_watchdog(
+    threshold_s: float, models: list[Any] | None = None, *, stream_ordered: bool | None = None
+) -> HangWatchdog:
     """Start the watchdog on every rank (a collective: call it on all ranks after wrapping). ``models``:
     DistributedDataParallel or MegatronFSDP wrappers (anything with ``pending_grads()`` or
-    ``grad_buffers.pending_grads()``) whose missing grads the messages should name."""
+    ``grad_buffers.pending_grads()``) whose missing grads the messages should name. ``stream_ordered``:
+    see :class:`HangWatchdog` (None: per collective, from its backend)."""
     if threshold_s <= 0:
         raise ValueError(f"start_hang_watchdog: threshold_s={threshold_s} must be positive")
     if _switch.watchdog is not None:
@@ -235,7 +323,7 @@ def start_hang_watchdog(threshold_s: float, models: list[Any] | None = None) -> 
             raise TypeError(f"start_hang_watchdog: {type(source).__name__} has no pending_grads()")
     timeout = timedelta(seconds=max(threshold_s, 2.0))
     side = dist.new_group(backend="gloo", timeout=timeout)
-    _switch.watchdog = HangWatchdog(threshold_s, sources, side)
+    _switch.watchdog = HangWatchdog(threshold_s, sources, side, stream_ordered)
     return _switch.watchdog
 
 
