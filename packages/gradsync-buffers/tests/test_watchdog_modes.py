@@ -5,6 +5,7 @@ collective completes and the heartbeat thread declares the hang, which the next 
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -32,7 +33,7 @@ def late_rank(paused: bool) -> str:
     tensor = torch.full((4,), float(rank + 1))
     all_reduce(torch.ones(1), pair).wait()
     if rank == 1:
-        with pause_hang_watchdog() if paused else _no_pause():
+        with pause_hang_watchdog() if paused else contextlib.nullcontext():
             deadline = time.monotonic() + 3 * THRESHOLD
             while time.monotonic() < deadline and guard.hang is None:
                 time.sleep(0.05)  # a checkpoint write, say
@@ -48,14 +49,6 @@ def late_rank(paused: bool) -> str:
         return str(error)
     stop_hang_watchdog()
     return f"sum {tensor.tolist()}"
-
-
-class _no_pause:  # noqa: N801 (a context manager that does nothing, read like the pause it replaces)
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *_: object) -> None:
-        return None
 
 
 @pytest.mark.parametrize("paused", [True, False])
