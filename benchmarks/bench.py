@@ -68,10 +68,12 @@ def launch(system: str, nproc: int, extra: list[str]) -> Result:
         check=False,
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
+    if not lines:
         raise SystemExit(
             f"{system} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
         )
+    if done.returncode != 0:  # measured, then crashed in teardown (seen once with torch FSDP2: SIGABRT)
+        print(f"{system}: exit {done.returncode} after its result line; the result is used", flush=True)
     result: Result = json.loads(lines[-1].removeprefix("RESULT "))
     print(f"{system:>45}: {1000 * result['step_s']:7.1f} ms/step", flush=True)
     return result

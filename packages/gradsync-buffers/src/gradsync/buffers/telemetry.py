@@ -17,6 +17,12 @@ is built.
 :meth:`CommTelemetry.chrome_trace` gathers every rank's spans (a collective), aligns the ranks' clocks with
 one barrier-based offset estimate, and returns Chrome / Perfetto trace JSON: one process per rank with a
 compute track, a communication track (launch to completion) and an exposed-wait track.
+
+At scale a run has millions of spans: each step's spans are settled and folded into per-step totals at
+:meth:`CommTelemetry.next_step` (on CUDA their events are read there: one host sync per step while
+telemetry is on, and no events held past a step), then kept raw in a ring of ``max_spans`` (the oldest
+dropped, and counted). :meth:`CommTelemetry.summary` reads the totals, so it counts every collective; the
+trace shows what the ring holds and says how many spans it dropped.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import contextlib
 import json
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,13 +97,30 @@ class PhaseSpan:
     end_ns: int
 
 
-class CommTelemetry:
-    """Every collective and compute phase this rank ran while telemetry was on."""
+Totals = dict[int, dict[str, dict[str, dict[str, float]]]]
+"""Per step, per label, per collective kind: bytes, count, seconds and exposed seconds."""
 
-    def __init__(self) -> None:
-        self.spans: list[CommSpan] = []
-        self.phases: list[PhaseSpan] = []
+
+class CommTelemetry:
+    """The collectives and compute phases this rank ran while telemetry was on: totals per step for all of
+    them, raw spans for the last ``max_spans``."""
+
+    def __init__(self, max_spans: int = 10_000) -> None:
+        if max_spans < 1:
+            raise ValueError(f"CommTelemetry: max_spans={max_spans} must be at least 1")
+        self.max_spans = max_spans
+        self._current: list[CommSpan] = []  # this step's spans, folded into the totals at next_step()
+        self._ring: deque[CommSpan] = deque(maxlen=max_spans)
+        self.dropped_spans = 0
+        self._totals: Totals = {}
+        self.phases: deque[PhaseSpan] = deque(maxlen=max_spans)
         self.step = 0
+        self._recorded = False
+
+    @property
+    def spans(self) -> list[CommSpan]:
+        """The raw spans kept: earlier steps' (at most ``max_spans``), then those not folded yet."""
+        return [*self._ring, *self._current]
 
     # --- recording (called by gradsync.buffers.collectives) ------------------------------------------
     def launched(
@@ -110,7 +134,8 @@ class CommTelemetry:
             span.events["launch"] = recorded_cuda_event()
         else:
             _on_completion([w for w in works if w is not None], span)
-        self.spans.append(span)
+        self._current.append(span)
+        self._recorded = True
         return span
 
     @staticmethod
@@ -139,48 +164,63 @@ class CommTelemetry:
             yield
         finally:
             self.phases.append(PhaseSpan(name, self.step, start, now_ns()))
+            self._recorded = True
 
     def next_step(self) -> None:
-        if self.spans or self.phases:
-            self.step += 1
+        """Fold this step's spans into the totals and the ring; later spans belong to the next step."""
+        if not self._recorded:
+            return
+        # A collective still in flight (a param gather overlapped with the next forward) is folded once
+        # waited, or a step later at the latest.
+        done = [s for s in self._current if s.wait_end_ns is not None or s.step < self.step]
+        self._current = [s for s in self._current if s.wait_end_ns is None and s.step == self.step]
+        _add_up(self._totals, done)
+        for span in done:
+            self.dropped_spans += len(self._ring) == self.max_spans
+            self._ring.append(span)
+        self.step += 1
 
     # --- reading -------------------------------------------------------------------------------------
-    def summary(self) -> dict[int, dict[str, dict[str, dict[str, float]]]]:
+    def summary(self) -> Totals:
         """Per step, per label, per collective kind: bytes, count, seconds (launch to completion, summed)
-        and exposed seconds (time callers waited, summed)."""
-        result: dict[int, dict[str, dict[str, dict[str, float]]]] = {}
-        for span in self.spans:
-            span.settle()
-            entry = (
-                result.setdefault(span.step, {})
-                .setdefault(span.label, {})
-                .setdefault(span.kind, {"bytes": 0, "count": 0, "seconds": 0.0, "exposed_seconds": 0.0})
-            )
-            entry["bytes"] += span.bytes
-            entry["count"] += 1
-            entry["seconds"] += span.seconds or 0.0
-            entry["exposed_seconds"] += span.exposed_ns / 1e9
+        and exposed seconds (time callers waited, summed); every collective, dropped spans included."""
+        result = {
+            step: {
+                label: {kind: dict(entry) for kind, entry in kinds.items()} for label, kinds in labels.items()
+            }
+            for step, labels in self._totals.items()
+        }
+        _add_up(result, self._current)
         return result
 
     def chrome_trace(self, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """The trace of every rank of ``group`` (default: the world); a collective, call it on every rank.
         Every rank gets the whole trace."""
-        for span in self.spans:
+        spans = self.spans
+        for span in spans:
             span.settle()
         dist.barrier(group)
         sync_ns = now_ns()  # every rank leaves the barrier at about the same moment
-        mine = (dist.get_rank(), sync_ns, [_span_record(s) for s in self.spans], self.phases)
+        mine = (
+            dist.get_rank(),
+            sync_ns,
+            [_span_record(s) for s in spans],
+            list(self.phases),
+            self.dropped_spans,
+        )
         everyone: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)
-        origin = min(ns for _, ns, _, _ in everyone)
+        origin = min(ns for _, ns, *_ in everyone)
         events: list[dict[str, Any]] = []
-        for rank, rank_sync_ns, spans, phases in everyone:
+        dropped = {}
+        for rank, rank_sync_ns, records, phases, rank_dropped in everyone:
+            dropped[rank] = rank_dropped
             shift = rank_sync_ns - origin  # this rank's clock minus the reference clock
             events += _metadata(rank)
             events += [_phase_event(p, rank, shift) for p in phases]
-            for record in spans:
+            for record in records:
                 events += _span_events(record, rank, shift)
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+        return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"dropped_spans": dropped}}
 
     def write_chrome_trace(self, path: str | Path, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """:meth:`chrome_trace`, written as JSON by group rank 0 (open it in ui.perfetto.dev or
@@ -189,6 +229,21 @@ class CommTelemetry:
         if dist.get_rank(group) == 0:
             Path(path).write_text(json.dumps(trace))
         return trace
+
+
+def _add_up(totals: Totals, spans: list[CommSpan]) -> None:
+    """Add ``spans`` (settled first) into ``totals``."""
+    for span in spans:
+        span.settle()
+        entry = (
+            totals.setdefault(span.step, {})
+            .setdefault(span.label, {})
+            .setdefault(span.kind, {"bytes": 0, "count": 0, "seconds": 0.0, "exposed_seconds": 0.0})
+        )
+        entry["bytes"] += span.bytes
+        entry["count"] += 1
+        entry["seconds"] += span.seconds or 0.0
+        entry["exposed_seconds"] += span.exposed_ns / 1e9
 
 
 def _on_completion(works: list[Any], span: CommSpan) -> None:
