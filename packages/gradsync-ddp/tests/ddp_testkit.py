@@ -103,9 +103,17 @@ class Trainer:
     optimizer: Any
 
     @classmethod
-    def build(cls, ddp_config: DistributedDataParallelConfig, optimizer: str, seed: int = 0) -> Trainer:
+    def build(
+        cls,
+        ddp_config: DistributedDataParallelConfig,
+        optimizer: str,
+        seed: int = 0,
+        shard_alignment: Any = None,
+    ) -> Trainer:
         model = TinyGPT(seed)
-        ddp = DistributedDataParallel(ModelParallelConfig(), ddp_config, model)
+        ddp = DistributedDataParallel(
+            ModelParallelConfig(), ddp_config, model, shard_alignment=shard_alignment
+        )
         opt = make_optimizer(optimizer, ddp.parameters())
         if ddp_config.use_distributed_optimizer:
             return cls(model, ddp, DistributedOptimizer(opt, ddp))

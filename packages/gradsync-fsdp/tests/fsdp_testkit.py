@@ -125,6 +125,7 @@ def wrap(
     seed: int = 0,
     layers: int = LAYERS,
     outer: int = 1,
+    shard_alignment: Any = None,
     **config: Any,
 ) -> MegatronFSDP:
     ddp_config = DistributedDataParallelConfig(
@@ -141,6 +142,7 @@ def wrap(
         ddp_config,
         fsdp_unit_modules=[Block] if units else None,
         mixed_precision_policy=MixedPrecisionPolicy(torch.float32, main_grads_dtype, grad_comm_dtype),
+        shard_alignment=shard_alignment,
     )
 
 

@@ -39,6 +39,12 @@ from .layout import (
 from .param_consistency import check_params_match_across_ranks
 from .param_ready import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
 from .scaling import gradient_scaling_factors
+from .shard_alignment import (
+    ShardAlignment,
+    ShardBalance,
+    parse_shard_alignment,
+    resolve_shard_alignments,
+)
 from .stats import CollectiveRecord, CommStats
 from .telemetry import CommTelemetry, active_telemetry, disable_telemetry, enable_telemetry
 from .version import __version__
@@ -73,6 +79,8 @@ __all__ = [
     "ParamAndGradBuffer",
     "ParamSpec",
     "PerBufferParamLayout",
+    "ShardAlignment",
+    "ShardBalance",
     "ShardParamRange",
     "__version__",
     "active_telemetry",
@@ -96,10 +104,12 @@ __all__ = [
     "pad_bucket_end",
     "pad_param_start",
     "pad_to_divisor",
+    "parse_shard_alignment",
     "partition_buckets",
     "pause_hang_watchdog",
     "reduce_scatter_with_fp32_accumulation",
     "refuse_fields_ddp_cannot_honour",
+    "resolve_shard_alignments",
     "shard_buffer",
     "start_hang_watchdog",
     "stop_hang_watchdog",

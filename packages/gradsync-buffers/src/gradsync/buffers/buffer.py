@@ -19,7 +19,8 @@ from gradsync.groups import get_backend_capabilities
 
 from .config import DistributedDataParallelConfig
 from .foreign_config import as_ddp_config
-from .layout import PerBufferParamLayout, compute_param_layout
+from .layout import PerBufferParamLayout, compute_param_layout, shard_cut
+from .shard_alignment import shard_alignment_of
 
 
 class ParamAndGradBucket:
@@ -99,6 +100,7 @@ class ParamAndGradBuffer:
                 data_parallel_world_size=self.data_parallel_world_size,
                 pad_for_high_nccl_busbw=ddp_config.pad_buckets_for_high_nccl_busbw,
                 shared_embedding=[bool(getattr(p, "shared_embedding", False)) for p in self.params],
+                shard_cuts=[shard_cut(shard_alignment_of(p), p.shape) for p in self.params],
             )
         if distopt and param_layout.num_optimizer_shards != self.data_parallel_world_size:
             raise ValueError(

@@ -15,6 +15,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .shard_alignment import (
+    ROW,
+    ShardAlignment,
+    ShardBalance,
+    owned_elements,
+    pack_shards,
+    shard_alignment_of,
+)
+
 PARAM_START_ALIGNMENT = 64
 """Param starts are aligned to this many elements (elements, not bytes, as in the reference)."""
 BUCKET_END_ALIGNMENT = 128
@@ -62,6 +71,7 @@ class ParamSpec:
     dtype: torch.dtype
     is_expert_parallel: bool = False
     shared_embedding: bool = False
+    shard_alignment: ShardAlignment = ROW
 
     @property
     def numel(self) -> int:
@@ -75,6 +85,7 @@ class ParamSpec:
             dtype=param.dtype,
             is_expert_parallel=is_expert_parallel(param),
             shared_embedding=bool(getattr(param, "shared_embedding", False)),
+            shard_alignment=shard_alignment_of(param),
         )
 
 
@@ -137,6 +148,19 @@ class PerBufferParamLayout:
         size = (end - start) // num_shards
         return start + rank * size, start + (rank + 1) * size
 
+    def balance(self, num_shards: int) -> ShardBalance:
+        """Padding, and the param elements each of ``num_shards`` shards holds, over every bucket."""
+        owned = [0] * num_shards
+        numel = 0
+        for bucket_id, (start, end) in enumerate(self.bucket_indices):
+            members = [self.param_index_map[i] for i in self.bucket_params(bucket_id)]
+            numels = [hi - lo for lo, hi, _ in members]
+            shard = (end - start) // num_shards
+            in_bucket = owned_elements([lo - start for lo, _, _ in members], numels, shard, num_shards)
+            owned = [a + b for a, b in zip(owned, in_bucket, strict=True)]
+            numel += sum(numels)
+        return ShardBalance(numel, self.numel, tuple(owned))
+
     def shard_param_ranges(self, bucket_id: int, rank: int, num_shards: int) -> list[ShardParamRange]:
         """The param pieces ``rank`` owns in a bucket (padding belongs to nobody)."""
         bucket_start = self.bucket_indices[bucket_id][0]
@@ -170,12 +194,16 @@ def compute_param_layout(
     data_parallel_world_size: int = 1,
     pad_for_high_nccl_busbw: bool = False,
     shared_embedding: Sequence[bool] | None = None,
+    shard_cuts: Sequence[tuple[int, bool]] | None = None,
 ) -> PerBufferParamLayout:
     """Lay out params (given in registration order) in reverse order, bucketed and optionally padded.
 
     Unpadded (plain all-reduce DDP): params are packed back to back, no shared-embedding rule. Padded
     (distributed optimizer): 64-element param starts, bucket ends padded for ``data_parallel_world_size``
     equal shards, and ``shared_embedding`` params alone in their bucket. A param never spans two buckets.
+    ``shard_cuts`` (padded only): per param, the element multiple a shard boundary may cut it at and
+    whether it must stay whole (:mod:`.shard_alignment`); a bucket holding such a param is re-packed by
+    :func:`~.shard_alignment.pack_shards` (same params, same bucket; offsets and padding change).
     """
     shared = list(shared_embedding) if shared_embedding is not None else [False] * len(numels)
     if len(shared) != len(numels):
@@ -185,10 +213,37 @@ def compute_param_layout(
     layout = PerBufferParamLayout(num_optimizer_shards=data_parallel_world_size if padded else None)
     start = bucket_start = 0
     open_params: list[int] = []
+    cuts = list(shard_cuts) if shard_cuts is not None else [(1, False)] * len(numels)
+    if len(cuts) != len(numels):
+        raise ValueError(f"{len(numels)} params but {len(cuts)} shard cuts")
+    quantum = (
+        bucket_end_divisor(data_parallel_world_size, pad_for_high_nccl_busbw) // data_parallel_world_size
+    )
 
     def close_bucket(at: int) -> None:
         nonlocal start, bucket_start, open_params
-        end = pad_bucket_end(at, data_parallel_world_size, pad_for_high_nccl_busbw) if padded else at
+        if padded and any(cuts[i] != (1, False) for i in open_params):
+            packed = pack_shards(
+                [numels[i] for i in open_params],
+                [cuts[i][0] for i in open_params],
+                [cuts[i][1] for i in open_params],
+                data_parallel_world_size,
+                start_multiple=PARAM_START_ALIGNMENT,
+                shard_quantum=quantum,
+            )
+            bucket_id = len(layout.bucket_indices)
+            for i, offset in zip(open_params, packed.offsets, strict=True):
+                layout.param_index_map[i] = (
+                    bucket_start + offset,
+                    bucket_start + offset + numels[i],
+                    bucket_id,
+                )
+            at = bucket_start + max(
+                offset + numels[i] for i, offset in zip(open_params, packed.offsets, strict=True)
+            )
+            end = bucket_start + packed.shard_size * data_parallel_world_size
+        else:
+            end = pad_bucket_end(at, data_parallel_world_size, pad_for_high_nccl_busbw) if padded else at
         layout.bucket_indices.append((bucket_start, end))
         layout.per_bucket_numel_unpadded.append(at - bucket_start)
         start = bucket_start = end
@@ -209,6 +264,11 @@ def compute_param_layout(
     if open_params:
         close_bucket(start)
     return layout
+
+
+def shard_cut(policy: ShardAlignment, shape: Sequence[int]) -> tuple[int, bool]:
+    """A flat shard's rule for one param: the multiple a cut must fall on, and whether it may be cut."""
+    return policy.flat_multiple(shape), policy.whole
 
 
 def buffer_key(spec: ParamSpec, grad_reduce_in_fp32: bool) -> BufferKey:
@@ -274,6 +334,7 @@ def compute_full_param_layout(
             data_parallel_world_size=dp,
             pad_for_high_nccl_busbw=pad_for_high_nccl_busbw,
             shared_embedding=[specs[i].shared_embedding for i in members],
+            shard_cuts=[shard_cut(specs[i].shard_alignment, specs[i].shape) for i in members],
         )
         layout.param_indices = list(range(len(members)))
         full.layouts[key] = layout

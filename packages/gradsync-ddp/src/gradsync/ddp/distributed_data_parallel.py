@@ -29,6 +29,7 @@ from gradsync.buffers import (
     refuse_fields_ddp_cannot_honour,
 )
 from gradsync.buffers.bucket_group import ParamAndGradBucketGroup
+from gradsync.buffers.shard_alignment import ShardAlignmentSpec, ShardBalance, set_shard_alignments
 from gradsync.groups import ModelParallelConfigProtocol, ProcessGroupCollection
 from gradsync.groups.model_config import describe_model_parallel
 
@@ -96,7 +97,12 @@ class DistributedDataParallel(_BaseDataParallel):
         full_param_layout: FullParamLayout | None = None,
         *,
         unused_parameters: Collection[str] = (),
+        shard_alignment: ShardAlignmentSpec = None,
     ) -> None:
+        """``shard_alignment`` (gradsync's addition, read with ``use_distributed_optimizer``): where the
+        optimizer's shards may cut each param, one policy or per param name
+        (:mod:`gradsync.buffers.shard_alignment`): ``tensor`` keeps a param whole on one rank (Muon),
+        ``block:k`` / ``block:RxC`` cut only between whole blocks; the default cuts anywhere."""
         super().__init__(config, module)
         ddp_config = as_ddp_config(ddp_config)  # Megatron-Core's config object of any recent version, too
         refuse_fields_ddp_cannot_honour(ddp_config, type(self).__name__)
@@ -109,6 +115,7 @@ class DistributedDataParallel(_BaseDataParallel):
         dp_cp = self.pg_collection.dp_cp
         assert dp_cp is not None
         check_params_match_across_ranks(named, dp_cp, self.pg_collection.expt_dp)
+        set_shard_alignments(named, shard_alignment)
 
         pp = self.pg_collection.pp
         pp_rank = pp.rank() if isinstance(pp, dist.ProcessGroup) else 0
@@ -163,6 +170,17 @@ class DistributedDataParallel(_BaseDataParallel):
             self.enable_forward_pre_hook()
 
     # --- hooks -----------------------------------------------------------------------------------
+
+    def shard_balance(self) -> ShardBalance:
+        """What the distributed optimizer's layout costs over every buffer: padding elements, and the
+        param elements each DP shard holds (``imbalance``: the largest over the mean). Buffers sharded
+        over a different group size (expert parallel) are not counted."""
+        buffers = self.grad_buffers.all_buffers
+        if not buffers:
+            raise ValueError("shard_balance: the model has no trainable params")
+        world = buffers[0].data_parallel_world_size
+        balances = [b.layout.balance(world) for b in buffers if b.data_parallel_world_size == world]
+        return sum(balances[1:], balances[0])
 
     def _make_backward_post_hook(self) -> Callable[[torch.Tensor], None]:
         """The hook moves a param's grad into main_grad and reports it ready.

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.buffers import ParamAndGradBuffer
+from gradsync.buffers.shard_alignment import row_size, shard_alignment_of
 
 
 @dataclass
@@ -28,6 +29,7 @@ class ShardPiece:
     param_range: tuple[int, int]
     buffer_key: int
     group: dist.ProcessGroup
+    shape: torch.Size  # of ``main``: flat, or whole rows where the param's shard alignment asks
 
     def model_slice(self) -> torch.Tensor:
         return self.param.data.view(-1)[self.param_range[0] : self.param_range[1]]
@@ -53,9 +55,9 @@ class BucketShard:
             self.attach_grads()
 
     def attach_grads(self) -> None:
-        """Make every piece's grad its view of the flat grad."""
+        """Make every piece's grad its view of the flat grad, shaped as its main param."""
         for piece, (a, b) in zip(self.pieces, self.spans, strict=True):
-            piece.main.grad = self.grad[a:b]
+            piece.main.grad = self.grad[a:b].view(piece.shape)
 
     def write_weights(self) -> None:
         """Copy the stepped main params into the model's weights: one copy into the param buffer, or,
@@ -64,7 +66,7 @@ class BucketShard:
             self.buffer.param_data[self.lo : self.hi].copy_(self.main)
         elif self.pieces:
             torch._foreach_copy_(
-                [p.model_slice() for p in self.pieces], [p.main.detach() for p in self.pieces]
+                [p.model_slice() for p in self.pieces], [p.main.detach().view(-1) for p in self.pieces]
             )
 
     def read_weights(self) -> None:
@@ -73,7 +75,7 @@ class BucketShard:
             self.main.copy_(self.buffer.param_data[self.lo : self.hi])
             return
         for piece in self.pieces:
-            piece.main.detach().copy_(piece.model_slice())
+            piece.main.detach().view(-1).copy_(piece.model_slice())
 
 
 def build_bucket_shards(
@@ -102,13 +104,31 @@ def build_bucket_shards(
                 param = buffer.params[index]
                 view = main[a:b]
                 view.copy_(param.detach().view(-1)[param_range[0] : param_range[1]])
+                shape = piece_shape(param, param_range)
                 shard.pieces.append(
-                    ShardPiece(names[param], param, nn.Parameter(view), param_range, key, group)
+                    ShardPiece(
+                        names[param], param, nn.Parameter(view.view(shape)), param_range, key, group, shape
+                    )
                 )
                 shard.spans.append((a, b))
             shard.attach_grads()
             shards.append(shard)
     return shards
+
+
+def piece_shape(param: nn.Parameter, param_range: tuple[int, int]) -> torch.Size:
+    """The main param's shape for ``param_range`` of ``param``: matrix optimizers (Muon, block Shampoo)
+    need the matrix, so a param laid out by a ``tensor`` or ``block`` policy gets its own shape when the
+    piece is all of it, and whole rows when it is whole rows; other pieces stay flat, as the reference's."""
+    lo, hi = param_range
+    if shard_alignment_of(param).kind == "row":
+        return torch.Size([hi - lo])
+    if (lo, hi) == (0, param.numel()):
+        return param.shape
+    row = row_size(param.shape)
+    if param.dim() > 1 and lo % row == 0 and hi % row == 0:
+        return torch.Size([(hi - lo) // row, *param.shape[1:]])
+    return torch.Size([hi - lo])
 
 
 def read_main_params_from_state_dict(pieces: list[ShardPiece], state_dict: dict[str, torch.Tensor]) -> None:
@@ -121,6 +141,6 @@ def read_main_params_from_state_dict(pieces: list[ShardPiece], state_dict: dict[
             missing.append(piece.name)
             continue
         lo, hi = piece.param_range
-        piece.main.detach().copy_(value.detach().reshape(-1)[lo:hi])
+        piece.main.detach().view(-1).copy_(value.detach().reshape(-1)[lo:hi])
     if missing:
         raise KeyError(f"reload_model_params: the state dict has no entry for {sorted(set(missing))}")

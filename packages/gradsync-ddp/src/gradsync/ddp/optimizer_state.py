@@ -197,7 +197,7 @@ def load_state(opt: DistributedOptimizer, state_dict: dict[str, Any]) -> None:
         restored: dict[str, Any] = {}
         for key, value in saved.items():
             if is_elementwise(value, piece.param.numel()):
-                sliced = value.reshape(-1)[start:end].to(piece.main.device)
+                sliced = value.reshape(-1)[start:end].to(piece.main.device).view(piece.shape)
                 if key == MAIN_PARAM_KEY:
                     with torch.no_grad():
                         piece.main.copy_(sliced)

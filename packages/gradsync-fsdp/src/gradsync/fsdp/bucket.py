@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from gradsync.buffers.collectives import Launched, all_gather_shards, all_reduce, chain, reduce_scatter
 from gradsync.buffers.grad_checks import LocalGradNorms
+from gradsync.buffers.shard_alignment import shard_alignment_of
 from gradsync.buffers.stats import CommStats
 
 from .allocators import BucketAllocator, BufferRequest, StorageResizeBucketAllocator, TemporaryBucketAllocator
@@ -76,7 +77,9 @@ def bucket_layout(
     shard into the outer pieces with outer ``optim``."""
     pieces = outer.pieces if outer is not None else 1
     world = group.size() * pieces if sharding.shard_main else 1
-    return compute_bucket_layout([p.shape for p in spec.params], world)
+    return compute_bucket_layout(
+        [p.shape for p in spec.params], world, [shard_alignment_of(p) for p in spec.params]
+    )
 
 
 class FlatParamBucket:

@@ -1,27 +1,34 @@
 """Where every param of a bucket lives in its flat buffer, and which rows each rank's shard holds.
 
 A bucket's flat buffer is cut into ``world`` equal shards. The optimizer sees each param's local part as a
-dim-0 DTensor shard, so every shard boundary must fall on a row boundary of every param: each param starts
-at a multiple of its alignment (its row size: the product of all dims but the first) and the shard size
-is a multiple of the least common multiple of all alignments. Alignment is a per-param rule
-(:func:`row_alignment` today) so that block- or whole-tensor alignment can be added without touching the
-rest.
+dim-0 DTensor shard, so every shard boundary must fall on a row boundary of every param it cuts, and on
+a place its shard-alignment policy allows (:mod:`gradsync.buffers.shard_alignment`: ``row`` by default,
+``block`` keeps tiles whole, ``tensor`` keeps the param in one shard). The packing itself is
+gradsync-buffers' :func:`~gradsync.buffers.shard_alignment.pack_shards`, which gradsync-ddp's distributed
+optimizer shares.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-AlignmentRule = Callable[[torch.Size], int]
+from gradsync.buffers.shard_alignment import (
+    ROW,
+    ShardAlignment,
+    ShardBalance,
+    owned_elements,
+    pack_shards,
+    row_size,
+)
 
 
 def row_alignment(shape: torch.Size) -> int:
     """Elements per dim-0 row: shard boundaries may cut a param only between rows."""
-    return math.prod(shape[1:]) if len(shape) > 1 else 1
+    return row_size(shape)
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,12 @@ class BucketLayout:
     def shard_size(self) -> int:
         return self.size // self.world
 
+    def balance(self) -> ShardBalance:
+        """Padding, and the param elements each shard holds."""
+        numels = [item.numel for item in self.items]
+        owned = owned_elements([item.offset for item in self.items], numels, self.shard_size, self.world)
+        return ShardBalance(sum(numels), self.size, tuple(owned))
+
     def shard_range(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of ``rank``'s shard in buffer coordinates."""
         return rank * self.shard_size, (rank + 1) * self.shard_size
@@ -77,22 +90,25 @@ class BucketLayout:
 
 
 def compute_bucket_layout(
-    shapes: Sequence[torch.Size], world: int, alignment: AlignmentRule = row_alignment
+    shapes: Sequence[torch.Size], world: int, policies: Sequence[ShardAlignment] | None = None
 ) -> BucketLayout:
-    """Place ``shapes`` in order, each at a multiple of its alignment, padded to ``world`` equal shards
-    whose size is a multiple of every alignment. A single shard needs no alignment and no padding."""
+    """Place ``shapes`` in ``world`` equal shards: cut params start at a multiple of their row (or
+    block-row) size, the shard size is a multiple of all of those, and ``tensor`` params sit whole in the
+    shard with the most room. A single shard needs no alignment and no padding."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
-    items, offset, factor = [], 0, 1
-    for shape in shapes:
-        align = alignment(shape) if world > 1 else 1
-        offset = _round_up(offset, align)
-        items.append(ItemPlacement(offset, torch.Size(shape)))
-        offset += math.prod(shape)
-        factor = math.lcm(factor, align)
-    size = _round_up(max(offset, 1), world * factor)
-    return BucketLayout(tuple(items), size, world)
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+    policies = list(policies) if policies is not None else [ROW] * len(shapes)
+    if len(policies) != len(shapes):
+        raise ValueError(f"{len(shapes)} params but {len(policies)} shard-alignment policies")
+    sizes = [torch.Size(shape) for shape in shapes]
+    packed = pack_shards(
+        [math.prod(shape) for shape in sizes],
+        [
+            policy.row_multiple(shape) if world > 1 else 1
+            for policy, shape in zip(policies, sizes, strict=True)
+        ],
+        [policy.whole and world > 1 for policy in policies],
+        world,
+    )
+    items = tuple(ItemPlacement(offset, shape) for offset, shape in zip(packed.offsets, sizes, strict=True))
+    return BucketLayout(items, packed.shard_size * world, world)

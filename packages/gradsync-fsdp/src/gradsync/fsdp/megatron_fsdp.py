@@ -33,6 +33,7 @@ from gradsync.buffers import (
     telemetry,
 )
 from gradsync.buffers.grad_checks import LocalGradNorms, non_finite_ranks
+from gradsync.buffers.shard_alignment import ShardAlignmentSpec, ShardBalance, set_shard_alignments
 from gradsync.groups import FSDPDistributedIndex
 
 from .allocator_choice import choose_allocators
@@ -105,6 +106,7 @@ class MegatronFSDP(nn.Module):
         report_nan_in_param_grad: bool = False,
         *,
         param_init_fn: ParamInitFn | None = None,
+        shard_alignment: ShardAlignmentSpec = None,
     ) -> None:
         """Arguments in the reference's order (spec fsdp.md §1.2). ``mixed_precision_policy`` None: the
         one ``ddp_config`` describes. ``init_model_with_meta_device``: ``module`` was built on the meta
@@ -113,7 +115,10 @@ class MegatronFSDP(nn.Module):
         ``report_nan_in_param_grad`` checks every param's grad as it arrives (a host sync per param: for
         debugging) and names the params in the NaN check, which records each bucket's local grad norm on
         the device before its reduction and reads every rank's once per cycle, at ``finish_grad_sync``.
-        The fine-grained gather hooks are not built (``NotImplementedError`` when asked for)."""
+        The fine-grained gather hooks are not built (``NotImplementedError`` when asked for).
+        ``shard_alignment`` (gradsync's addition): where shards may cut each param, one policy or per
+        param name (:mod:`gradsync.buffers.shard_alignment`): ``row`` (default), ``tensor`` (whole on one
+        rank, as Muon needs) or ``block:k`` / ``block:RxC``."""
         super().__init__()
         if enable_fine_grained_param_gather_hook or enable_fine_grained_param_gather_backward_hook:
             raise NotImplementedError(
@@ -158,6 +163,7 @@ class MegatronFSDP(nn.Module):
 
         group = dist_index.get_fsdp_group()
         named = list(module.named_parameters())
+        set_shard_alignments(named, shard_alignment)
         check_params_match_across_ranks(named, dist_index.get_dp_group(), who="MegatronFSDP")
         self.fsdp_unit_modules = resolve_unit_classes(fsdp_unit_modules)
         self.units = find_units(module, self.fsdp_unit_modules)
@@ -356,6 +362,12 @@ class MegatronFSDP(nn.Module):
             for what, allocator in (("weights", self.allocators.weights), ("grads", self.allocators.grads))
             for kind, stats in allocator.all_stats().items()
         }
+
+    def shard_balance(self) -> ShardBalance:
+        """What the shard-alignment policies cost over every bucket: padding elements, and the param
+        elements each shard of the layout holds (``imbalance``: the largest over the mean)."""
+        balances = [bucket.layout.balance() for bucket in self.buckets]
+        return sum(balances[1:], balances[0])
 
     def get_distributed_index(self) -> FSDPDistributedIndex:
         return self.dist_index
