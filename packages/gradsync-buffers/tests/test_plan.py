@@ -16,6 +16,7 @@ from torch import nn
 from gradsync.buffers.plan import PUBLISHED, LinkCosts, predict, recommend_bucket_size, specs_from_shapes
 from gradsync.buffers.plan.__main__ import gpt_shapes, gpt_units, module_shapes
 from gradsync.buffers.plan.predict import ADAM_STATE_BYTES, FP32, bucket_sizes
+from gradsync.buffers.shard_alignment import parse_shard_alignment
 
 COSTS = LinkCosts.uniform("test", alpha=1e-5, busbw_gbps=10.0, source="test")
 SPECS = specs_from_shapes(gpt_shapes(64, 4, 1000))
@@ -121,3 +122,23 @@ def test_command_line(tmp_path: Path) -> None:
     ]
     assert len(rows) == 4
     assert PUBLISHED["nccl-h100-nvlink"].source.split(";")[0] in out.stdout
+
+
+@pytest.mark.parametrize("strategy", ["distopt", "zero3"])
+def test_padding_of_shard_alignment_policies(strategy: str) -> None:
+    """The padding each policy costs: the padded layout's elements minus the params', counted here from
+    the shapes; whole matrices cost more than cuts anywhere, block-rows in between, and wire bytes and
+    memory grow with it."""
+    shapes, units = gpt_shapes(64, 2, 96), gpt_units(2)
+    cost = PUBLISHED["nccl-h100-ib"]
+    got = {}
+    for policy in ("row", "block:16x64", "tensor"):
+        specs = specs_from_shapes(shapes, parse_shard_alignment(policy))
+        got[policy] = predict(strategy, specs, 8, cost, bucket_size=20_000, units=units)
+    numel = sum(math.prod(s) for s in shapes)
+    for prediction in got.values():
+        padded = prediction.padding_bytes / FP32 + numel
+        assert padded == int(padded)
+        assert padded % 8 == 0
+    assert got["row"].padding_bytes < got["block:16x64"].padding_bytes < got["tensor"].padding_bytes
+    assert got["row"].wire_bytes < got["tensor"].wire_bytes

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from gradsync.buffers import DistributedDataParallelConfig
 from gradsync.buffers.checkpointing import materialize_optimizer_state
+from gradsync.buffers.shard_alignment import ShardAlignmentSpec
 from gradsync.groups import FSDPDistributedIndex
 
 from .dcp import describe_optimizer_state
@@ -50,11 +51,13 @@ def fully_shard_model(
     calculate_per_token_loss: bool = False,
     param_init_fn: ParamInitFn | None = None,
     report_nan_in_param_grad: bool = False,
+    shard_alignment: ShardAlignmentSpec = None,
     **cuda_only: Any,
 ) -> MegatronFSDP:
     """Wrap ``module`` in :class:`MegatronFSDP` with ``zero_dp_strategy`` (0-3 or its name).
 
-    ``cuda_only`` takes the reference's NCCL-userbuffer / fp8 / double-buffer keywords
+    ``shard_alignment``: where shards may cut each param (gradsync's addition, see
+    :class:`MegatronFSDP`). ``cuda_only`` takes the reference's NCCL-userbuffer / fp8 / double-buffer keywords
     (``nccl_ub``, ``fsdp_double_buffer``, ``keep_fp8_transpose_cache``, ...); they are refused with a
     clear error where they cannot work.
     """
@@ -106,6 +109,7 @@ def fully_shard_model(
         mixed_precision_policy=mixed_precision_policy or MixedPrecisionPolicy(),
         param_init_fn=param_init_fn,
         report_nan_in_param_grad=report_nan_in_param_grad,
+        shard_alignment=shard_alignment,
     )
 
 

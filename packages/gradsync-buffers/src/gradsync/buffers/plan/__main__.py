@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..layout import ParamSpec
+from ..shard_alignment import parse_shard_alignment
 from . import calibrate
 from .costs import PUBLISHED, LinkCosts
 from .predict import STRATEGIES, Prediction, predict, recommend_bucket_size, specs_from_shapes
@@ -73,7 +74,7 @@ def row(p: Prediction, recommended: str) -> str:
     return (
         f"| {p.strategy} | {p.dp} | {p.bucket_size / 1e6:g}M | {p.buckets} | {p.comm_seconds * 1e3:.2f} | "
         f"{p.exposed_seconds * 1e3:.2f} | {bound} | {p.wire_bytes / 2**20:.1f} | "
-        f"{p.peak_bytes / 2**30:.2f} | {recommended} |"
+        f"{p.peak_bytes / 2**30:.2f} | {p.padding_bytes / 2**20:.2f} | {recommended} |"
     )
 
 
@@ -92,6 +93,11 @@ def main() -> None:
     parser.add_argument("--unit-class", help="with --module: the FSDP unit class name (for zero3)")
     parser.add_argument(
         "--costs", default="nccl-h100-ib", help=f"{', '.join(PUBLISHED)} or a calibration JSON"
+    )
+    parser.add_argument(
+        "--shard-alignment",
+        default="row",
+        help="policy of every matrix param (row, tensor, block:k, block:RxC): its padding is reported",
     )
     parser.add_argument("--forward-ms", type=float, default=0.0)
     parser.add_argument("--backward-ms", type=float, default=0.0)
@@ -112,18 +118,16 @@ def main() -> None:
         )
     else:
         shapes, units = module_shapes(args.module, args.unit_class)
-    specs: list[ParamSpec] = specs_from_shapes(shapes)
+    specs: list[ParamSpec] = specs_from_shapes(shapes, parse_shard_alignment(args.shard_alignment))
     costs = costs_from(args.costs)
     forward, backward = args.forward_ms / 1e3, args.backward_ms / 1e3
     print(f"{sum(s.numel for s in specs) / 1e6:.1f}M params; costs: {costs.name} ({costs.source})\n")
     print("| strategy | dp | bucket | buckets | comm ms | exposed ms | bound | wire MiB/rank | peak GiB/rank "
-          "| recommended bucket |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| padding MiB | recommended bucket |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for strategy in args.strategy:
         if strategy == "zero3" and units is None:
-            print(
-                "| zero3 | - | - | - | - | - | - | - | - | needs units (--unit-class, or units in --shapes) |"
-            )
+            print("| zero3 |" + " - |" * 9 + " needs units (--unit-class, or units in --shapes) |")
             continue
         for dp in args.dp:
             p = predict(strategy, specs, dp, costs, bucket_size=args.bucket_size,

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import default_bucket_size
-from ..layout import ParamSpec, compute_param_layout
+from ..layout import ParamSpec, compute_param_layout, shard_cut
+from ..shard_alignment import ROW, ShardAlignment
 from .costs import LinkCosts
 
 STRATEGIES = ("ddp", "distopt", "zero3")
@@ -45,6 +46,7 @@ class Prediction:
     latency_seconds: float
     wire_bytes: float
     peak_bytes: float
+    padding_bytes: float  # the layout's padding (bucket ends, param starts, shard-alignment policies)
 
     @property
     def latency_bound(self) -> bool:
@@ -53,15 +55,21 @@ class Prediction:
 
 
 def bucket_sizes(
-    numels: Sequence[int], bucket_size: int | None, dp: int, pad_for_high_nccl_busbw: bool = False
+    numels: Sequence[int],
+    bucket_size: int | None,
+    dp: int,
+    pad_for_high_nccl_busbw: bool = False,
+    cuts: Sequence[tuple[int, bool]] | None = None,
 ) -> list[int]:
-    """Padded bucket sizes (elements), in the order the backward fills them (last params first)."""
+    """Padded bucket sizes (elements), in the order the backward fills them (last params first);
+    ``cuts``: each param's shard-alignment rule (:func:`~gradsync.buffers.layout.shard_cut`)."""
     layout = compute_param_layout(
         list(numels),
         bucket_size,
         padded=True,
         data_parallel_world_size=dp,
         pad_for_high_nccl_busbw=pad_for_high_nccl_busbw,
+        shard_cuts=cuts,
     )
     return [end - start for start, end in layout.bucket_indices]
 
@@ -141,11 +149,12 @@ def predict(
         raise ValueError(f"strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
     size = bucket_size if bucket_size is not None else default_bucket_size(dp)
     numels = [s.numel for s in specs]
+    cuts = [shard_cut(s.shard_alignment, s.shape) for s in specs]
     psi = sum(numels)
     if strategy == "zero3":
-        return _predict_zero3(numels, dp, costs, size, forward_seconds, backward_seconds,
+        return _predict_zero3(numels, cuts, dp, costs, size, forward_seconds, backward_seconds,
                               pad_for_high_nccl_busbw, units)  # fmt: skip
-    sizes = bucket_sizes(numels, size, dp, pad_for_high_nccl_busbw)
+    sizes = bucket_sizes(numels, size, dp, pad_for_high_nccl_busbw, cuts)
     share = (dp - 1) / dp
     padded = sum(sizes)
     collectives: list[tuple[str, int]] = []
@@ -162,6 +171,7 @@ def predict(
             sizes, costs, dp, forward_seconds
         )
     return _prediction(strategy, dp, size, len(sizes), costs, collectives, exposed, wire, peak,
+                       (padded - psi) * FP32,
                        overlapped=forward_seconds > 0.0 or backward_seconds > 0.0)  # fmt: skip
 
 
@@ -175,16 +185,20 @@ def _prediction(
     exposed: float,
     wire: float,
     peak: float,
+    padding: float,
     overlapped: bool,
 ) -> Prediction:
     terms = [costs.terms(kind, s * FP32, dp) for kind, s in collectives]
     comm = sum(a + b for a, b in terms)
     latency = sum(a for a, _ in terms)
-    return Prediction(strategy, dp, size, buckets, comm, exposed if overlapped else comm, latency, wire, peak)
+    return Prediction(
+        strategy, dp, size, buckets, comm, exposed if overlapped else comm, latency, wire, peak, padding
+    )
 
 
 def _predict_zero3(
     numels: Sequence[int],
+    cuts: Sequence[tuple[int, bool]],
     dp: int,
     costs: LinkCosts,
     size: int,
@@ -198,12 +212,17 @@ def _predict_zero3(
     unit_ids = sorted({u for u in units if u is not None})
     if not unit_ids:
         raise ValueError("zero3: no param is in an FSDP unit")
-    unit_sizes = [  # one bucket per unit, padded as the layout pads it
-        sum(bucket_sizes([n for n, u in zip(numels, units, strict=True) if u == unit], None, dp, pad))
-        for unit in unit_ids
-    ]
-    outside = [n for n, u in zip(numels, units, strict=True) if u is None]
-    other_sizes = bucket_sizes(outside, size, dp, pad) if outside else []
+
+    def members(unit: int | None) -> tuple[list[int], list[tuple[int, bool]]]:
+        chosen = [i for i, u in enumerate(units) if u == unit]
+        return [numels[i] for i in chosen], [cuts[i] for i in chosen]
+
+    unit_sizes = []  # one bucket per unit, padded as the layout pads it
+    for unit in unit_ids:
+        unit_numels, unit_cuts = members(unit)
+        unit_sizes.append(sum(bucket_sizes(unit_numels, None, dp, pad, unit_cuts)))
+    outside, outside_cuts = members(None)
+    other_sizes = bucket_sizes(outside, size, dp, pad, outside_cuts) if outside else []
     share, padded = (dp - 1) / dp, sum(unit_sizes) + sum(other_sizes)
     gathered = [*unit_sizes, *unit_sizes[:-1], *other_sizes]  # the last unit is kept into the backward
     collectives = [("all_gather", s) for s in gathered] + [
@@ -216,7 +235,8 @@ def _predict_zero3(
     exposed += sum(costs.time("all_gather", s * FP32, dp) + costs.time("reduce_scatter", s * FP32, dp)
                    for s in other_sizes)  # fmt: skip
     return _prediction("zero3", dp, size, len(unit_sizes) + len(other_sizes), costs, collectives, exposed,
-                       wire, peak, overlapped=forward > 0.0 or backward > 0.0)  # fmt: skip
+                       wire, peak, (padded - sum(numels)) * FP32,
+                       overlapped=forward > 0.0 or backward > 0.0)  # fmt: skip
 
 
 def recommend_bucket_size(
@@ -237,5 +257,13 @@ def recommend_bucket_size(
     return min(predictions, key=lambda p: (round(p.exposed_seconds, 9), p.comm_seconds))
 
 
-def specs_from_shapes(shapes: Sequence[Sequence[int]]) -> list[ParamSpec]:
-    return [ParamSpec(tuple(int(d) for d in shape), torch.float32) for shape in shapes]
+def specs_from_shapes(
+    shapes: Sequence[Sequence[int]], matrix_alignment: ShardAlignment = ROW
+) -> list[ParamSpec]:
+    """fp32 specs; ``matrix_alignment`` is the shard-alignment policy of every param of 2 or more dims
+    (the matrices a matrix optimizer would precondition), the others keep the default."""
+    return [
+        ParamSpec(tuple(int(d) for d in shape), torch.float32,
+                  shard_alignment=matrix_alignment if len(shape) > 1 else ROW)
+        for shape in shapes
+    ]  # fmt: skip
