@@ -31,7 +31,10 @@ TABLE: list[tuple[Any, list[tuple[str, Any]], dict[str, str]]] = [
             ("pg_collection", None),
             ("full_param_layout", None),
         ],
-        {"unused_parameters": "keyword-only: params that never get a grad, refused if they do"},
+        {
+            "unused_parameters": "keyword-only: params that never get a grad, refused if they do",
+            "shard_alignment": "keyword-only: where the distributed optimizer's shards may cut each param",
+        },
     ),
     (DDP.state_dict, [("prefix", ""), ("keep_vars", False), ("destination", None)], {}),
     (DDP.state_dict_for_save_checkpoint, [("prefix", ""), ("keep_vars", False)], {}),

@@ -126,6 +126,7 @@ def wrap(
     layers: int = LAYERS,
     outer: int = 1,
     shard_alignment: Any = None,
+    gather_lane: bool = True,
     **config: Any,
 ) -> MegatronFSDP:
     ddp_config = DistributedDataParallelConfig(
@@ -143,6 +144,7 @@ def wrap(
         fsdp_unit_modules=[Block] if units else None,
         mixed_precision_policy=MixedPrecisionPolicy(torch.float32, main_grads_dtype, grad_comm_dtype),
         shard_alignment=shard_alignment,
+        gather_lane=gather_lane,
     )
 
 

@@ -54,3 +54,37 @@ def test_a_skipped_backward_is_named_with_its_fsdp_bucket() -> None:
     assert "Culprit rank(s) [1]" in report
     assert "fsdp.bucket" in report
     assert seen == report
+
+
+def healthy_steps(strategy: str) -> tuple[str, float]:
+    """Two ordinary steps with the watchdog on: no rank hangs, so nothing may be reported (gloo's
+    reduce-scatter work never reports itself complete; a wait that polled it was declared hung)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy)
+    model = MegatronFSDP(
+        TinyTransformer(),
+        FSDPDistributedIndex.from_group(dist.new_group()),
+        config,
+        fsdp_unit_modules=[Block],
+    )
+    start_hang_watchdog(1.0, models=[model])
+    started = time.monotonic()
+    try:
+        for step in range(2):
+            model.zero_grad_buffer()
+            (batch,) = local_microbatches(step, rank, world, 1)
+            model(batch).backward()
+            model.finish_grad_sync()
+            model.install_optimized_model_weights()
+    except CollectiveHangError as error:
+        return str(error), time.monotonic() - started
+    finally:
+        stop_hang_watchdog()
+    return "", time.monotonic() - started
+
+
+def test_healthy_steps_raise_nothing() -> None:
+    for strategy in ("optim", "optim_grads", "optim_grads_params"):
+        for report, seconds in run_distributed(healthy_steps, 2, args=(strategy,), reuse=False, timeout=90):
+            assert report == "", report
+            assert seconds < 1.0, seconds  # no wait ran into the threshold

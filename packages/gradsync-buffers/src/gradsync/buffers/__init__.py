@@ -36,6 +36,7 @@ from .layout import (
     pad_param_start,
     pad_to_divisor,
 )
+from .matrix_optim import BlockShampoo, Muon, muon_param_groups
 from .param_consistency import check_params_match_across_ranks
 from .param_ready import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
 from .scaling import gradient_scaling_factors
@@ -64,6 +65,7 @@ _ParamAndGradBucketGroup = ParamAndGradBucketGroup
 __all__ = [
     "FSDP_ONLY_FIELDS",
     "PARAM_READY_CALLBACK_ATTR",
+    "BlockShampoo",
     "BufferKey",
     "CollectiveHangError",
     "CollectiveRecord",
@@ -74,6 +76,7 @@ __all__ = [
     "GradBuffers",
     "HangWatchdog",
     "LargeGradDetector",
+    "Muon",
     "ParamAndGradBucket",
     "ParamAndGradBucketGroup",
     "ParamAndGradBuffer",
@@ -99,6 +102,7 @@ __all__ = [
     "group_params_for_buffers",
     "group_specs_for_buffers",
     "is_expert_parallel",
+    "muon_param_groups",
     "non_default_fields",
     "non_default_values",
     "pad_bucket_end",

@@ -37,12 +37,12 @@ dist_all_gather_func: Callable[..., Any] = getattr(dist, "all_gather_single", di
 
 @dataclass
 class Issued:
-    """One collective's works, with its telemetry record and its watchdog coordinates (group ranks,
-    sequence number, label, kind) when those are on."""
+    """One collective's works, with its telemetry record and its watchdog coordinates (group key,
+    sequence number, whether tracked, label, kind) when those are on."""
 
     works: list[Any]
     span: telemetry.CommSpan | None
-    watch: tuple[tuple[int, ...], int, bool, str, str] | None
+    watch: tuple[watchdog.GroupKey, int, bool, str, str] | None
 
 
 @dataclass

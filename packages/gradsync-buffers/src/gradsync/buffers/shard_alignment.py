@@ -7,6 +7,9 @@ which cuts are allowed:
 
 - ``row``: between dim-0 rows (gradsync-fsdp's default; gradsync-ddp's distributed optimizer cuts
   anywhere by default, as the reference);
+- ``chunk`` (gradsync-fsdp only): torch's own ``Shard(0)`` rule, ``torch.chunk`` of the rows over the
+  ranks, so torch's DTensor ops (``full_tensor()``, ``redistribute()``, DCP) work natively on the shard;
+  the param gets a bucket (one collective) of its own, as that rule cannot share a flat shard;
 - ``tensor``: nowhere: the param lives whole in one rank's shard; params are assigned to ranks to
   balance their bytes, and a rank may own several params or none;
 - ``block:k``: on multiples of ``k`` elements of the flattened param; ``block:RxC`` (or ``block:(R,C)``):
@@ -52,9 +55,15 @@ class ShardAlignment:
         """The param may not be cut at all."""
         return self.kind == "tensor"
 
+    @property
+    def alone(self) -> bool:
+        """The param needs a bucket of its own (``chunk``: its shards are the whole shards)."""
+        return self.kind == "chunk"
+
     def row_multiple(self, shape: Sequence[int]) -> int:
         """Elements a cut must be a multiple of when shards are also whole rows (gradsync-fsdp's dim-0
-        DTensors): the row size, or a multiple of it that keeps blocks whole."""
+        DTensors): the row size, or a multiple of it that keeps blocks whole. (A ``chunk`` param alone in
+        its bucket, cut between rows, is cut exactly as ``torch.chunk`` cuts its rows.)"""
         row = row_size(shape)
         if self.kind != "block":
             return row
@@ -75,6 +84,7 @@ class ShardAlignment:
 
 ROW = ShardAlignment("row")
 TENSOR = ShardAlignment("tensor")
+CHUNK = ShardAlignment("chunk")
 
 ShardAlignmentSpec = (
     str
@@ -103,10 +113,13 @@ def parse_shard_alignment(policy: str | ShardAlignment) -> ShardAlignment:
         return ROW
     if text == "tensor":
         return TENSOR
+    if text == "chunk":
+        return CHUNK
     match = _BLOCK.match(text)
     if match is None:
         raise ValueError(
-            f"shard_alignment {policy!r} is not a policy: use 'row', 'tensor', 'block:k' or 'block:RxC'"
+            f"shard_alignment {policy!r} is not a policy: use 'row', 'tensor', 'chunk', 'block:k' or "
+            "'block:RxC'"
         )
     first, second = int(match.group(1)), match.group(2)
     block = (1, first) if second is None else (first, int(second))

@@ -4,14 +4,15 @@ bucket groups and params those ranks are missing, instead of hanging silently.
 Off by default. :func:`start_hang_watchdog` (a collective: every rank calls it, after wrapping) creates a
 side gloo group with a short timeout and a thread on each rank that, every ``threshold / 4`` seconds,
 all-gathers every rank's progress over it: per process group, how many collectives the rank has launched
-through :mod:`gradsync.buffers.collectives`; the collective its main thread is waiting in, if any; what
-its wrappers still wait for (bucket groups whose grads have not all arrived, by param name, or whose
-reduction has not been started). While the watchdog runs, ``wait()`` polls its works instead of blocking
-in them; once one has waited ``threshold`` seconds, the rank compares its own sequence number in that
-process group with the others' and raises :class:`CollectiveHangError` naming the ranks that have not
-launched the collective (from the last round they answered) and what they are missing. The error is
-published in the next round, and every rank raises it at its next collective wait, so no rank that can
-still raise is left hanging.
+through :mod:`gradsync.buffers.collectives` (a group is known by its ranks and its ``group_desc``, the same
+on all of them, so two groups over the same ranks, such as FSDP's shard group and its gather lane, are
+counted apart); the collective its main thread is waiting in, if any; what its wrappers still wait for
+(bucket groups whose grads have not all arrived, by param name, or whose reduction has not been started).
+While the watchdog runs, ``wait()`` polls its works instead of blocking in them; once one has waited
+``threshold`` seconds, the rank compares its own sequence number in that process group with the others'
+and raises :class:`CollectiveHangError` naming the ranks that have not launched the collective (from the
+last round they answered) and what they are missing. The error is published in the next round, and every
+rank raises it at its next collective wait, so no rank that can still raise is left hanging.
 
 The side group is itself guarded: each round has a timeout, a round that fails (a rank stopped, killed
 or exited) ends the heartbeats, and the last complete round is what the diagnosis uses; the error then
@@ -43,6 +44,35 @@ from gradsync.groups import get_backend_capabilities
 
 _MAX_NAMES = 8  # params named per bucket group in a message
 
+GroupKey = tuple[tuple[int, ...], str]
+"""A process group as each of its ranks names it: its global ranks and its ``group_desc``."""
+
+
+def _waited_in_thread(work: Any) -> Any:
+    """Wait for ``work`` in a thread of its own; the returned function says whether it is over (and
+    raises what the wait raised). Polling ``is_completed()`` instead is not enough: some works never
+    report completion (gloo's ``reduce_scatter_tensor``, whose work has no future), so every step would
+    be declared hung. The thread is the work's only waiter."""
+    failure: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            work.wait()
+        except BaseException as error:  # handed to the polling thread
+            failure.append(error)
+
+    thread = threading.Thread(target=wait, name="gradsync-watchdog-wait", daemon=True)
+    thread.start()
+
+    def done() -> bool:
+        if thread.is_alive():
+            return False
+        if failure:
+            raise failure[0]
+        return True
+
+    return done
+
 
 class CollectiveHangError(RuntimeError):
     """A collective waited past the watchdog's threshold."""
@@ -56,7 +86,7 @@ class HasPendingGrads(Protocol):
 
 @dataclass
 class _Waiting:
-    group: tuple[int, ...]
+    group: GroupKey
     sequence: int
     label: str
     kind: str
@@ -69,8 +99,8 @@ class Progress:
     """One rank's state as published in a heartbeat round."""
 
     rank: int
-    launched: dict[tuple[int, ...], int]
-    waiting: tuple[tuple[int, ...], int, str, str, float] | None
+    launched: dict[GroupKey, int]
+    waiting: tuple[GroupKey, int, str, str, float] | None
     pending: dict[str, str]
     hang: str | None
     stopping: bool
@@ -95,7 +125,7 @@ class HangWatchdog:
         self.sources = sources
         self.side_group = side_group
         self.rank = dist.get_rank()
-        self.launched: dict[tuple[int, ...], int] = {}
+        self.launched: dict[GroupKey, int] = {}
         self.waiting: _Waiting | None = None
         self.hang: str | None = None
         self.peers: dict[int, Progress] = {}
@@ -105,30 +135,26 @@ class HangWatchdog:
         self.stream_ordered = stream_ordered
         self.tracked: list[_Waiting] = []  # stream-ordered waits not yet complete
         self._paused = 0
-        self._ranks: dict[dist.ProcessGroup, tuple[int, ...]] = {}
+        self._keys: dict[dist.ProcessGroup, GroupKey] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._heartbeats, name="gradsync-hang-watchdog", daemon=True)
         self._thread.start()
 
     # --- called by the collectives -------------------------------------------------------------------
-    def launched_on(
-        self, group: dist.ProcessGroup, device: torch.device
-    ) -> tuple[tuple[int, ...], int, bool]:
-        """Count one collective launched over ``group``; returns (group ranks, its sequence number,
+    def launched_on(self, group: dist.ProcessGroup, device: torch.device) -> tuple[GroupKey, int, bool]:
+        """Count one collective launched over ``group``; returns (the group's key, its sequence number,
         whether its wait is stream-ordered and so tracked by the heartbeat thread)."""
-        ranks = self._ranks.get(group)
-        if ranks is None:
-            ranks = self._ranks[group] = tuple(dist.get_process_group_ranks(group))
+        key = self._keys.get(group)
+        if key is None:
+            key = self._keys[group] = (tuple(dist.get_process_group_ranks(group)), group.group_desc)
         tracked = self.stream_ordered
         if tracked is None:
             tracked = get_backend_capabilities(group, device).stream_ordered_wait
         with self._lock:
-            self.launched[ranks] = self.launched.get(ranks, 0) + 1
-            return ranks, self.launched[ranks], tracked
+            self.launched[key] = self.launched.get(key, 0) + 1
+            return key, self.launched[key], tracked
 
-    def wait(
-        self, work: Any, ranks: tuple[int, ...], sequence: int, tracked: bool, label: str, kind: str
-    ) -> None:
+    def wait(self, work: Any, group: GroupKey, sequence: int, tracked: bool, label: str, kind: str) -> None:
         """Wait for ``work``: stream-ordered and handed to the heartbeat thread (``tracked``), or by
         polling, raising once it has taken longer than the threshold (pauses excepted)."""
         self.raise_if_hung()
@@ -137,26 +163,26 @@ class HangWatchdog:
             return
         if tracked:
             with self._lock:
-                self.tracked.append(_Waiting(ranks, sequence, label, kind, time.monotonic(), work))
+                self.tracked.append(_Waiting(group, sequence, label, kind, time.monotonic(), work))
             work.wait()
             return
         if work.is_completed():
             work.wait()
             return
+        done = _waited_in_thread(work)
         started = time.monotonic()
-        self.waiting = _Waiting(ranks, sequence, label, kind, started)
+        self.waiting = _Waiting(group, sequence, label, kind, started)
         pause = 1e-4
         try:
-            while not work.is_completed():
+            while not done():
                 self.raise_if_hung()
-                if self._paused_for(ranks):
+                if self._paused_for(group):
                     started = time.monotonic()  # the clock restarts once the pause ends
                 elif time.monotonic() - started > self.threshold_s:
-                    self.hang = self._diagnose(ranks, sequence, label, kind, time.monotonic() - started)
+                    self.hang = self._diagnose(group, sequence, label, kind, time.monotonic() - started)
                     raise CollectiveHangError(self.hang)
                 time.sleep(pause)
                 pause = min(pause * 2, 1e-3)  # at most a millisecond late
-            work.wait()
         finally:
             self.waiting = None
 
@@ -170,10 +196,10 @@ class HangWatchdog:
         finally:
             self._paused -= 1
 
-    def _paused_for(self, ranks: tuple[int, ...]) -> bool:
-        """This rank, or one of ``ranks`` as of its last heartbeat, is paused."""
+    def _paused_for(self, group: GroupKey) -> bool:
+        """This rank, or one of ``group``'s ranks as of its last heartbeat, is paused."""
         peers = self.peers
-        return self._paused > 0 or any(peers[r].paused for r in ranks if r in peers)
+        return self._paused > 0 or any(peers[r].paused for r in group[0] if r in peers)
 
     def _check_tracked(self) -> None:
         """Heartbeat thread: drop completed tracked works, declare the hang of one past the threshold."""
@@ -233,18 +259,19 @@ class HangWatchdog:
         self._thread.join(timeout=self.interval_s * 4 + 10)
 
     # --- the diagnosis -------------------------------------------------------------------------------
-    def _diagnose(self, ranks: tuple[int, ...], sequence: int, label: str, kind: str, waited: float) -> str:
+    def _diagnose(self, group: GroupKey, sequence: int, label: str, kind: str, waited: float) -> str:
         peers = dict(self.peers)
+        ranks = group[0]
         others = [r for r in ranks if r != self.rank]
-        behind = [r for r in others if r in peers and peers[r].launched.get(ranks, 0) < sequence]
+        behind = [r for r in others if r in peers and peers[r].launched.get(group, 0) < sequence]
         unknown = [r for r in others if r not in peers]
         lines = [
             f"gradsync hang watchdog: rank {self.rank} has waited {waited:.1f} s (threshold "
             f"{self.threshold_s:g} s) in collective #{sequence} ({label or 'unlabelled'} {kind}) over "
-            f"ranks {list(ranks)}."
+            f"{_name(group)}."
         ]
         if behind:
-            reached = ", ".join(f"rank {r} #{peers[r].launched.get(ranks, 0)}" for r in behind)
+            reached = ", ".join(f"rank {r} #{peers[r].launched.get(group, 0)}" for r in behind)
             lines.append(f"Culprit rank(s) {behind}: they have not launched it (last launched: {reached}).")
         for r in behind:
             lines += _describe(r, peers[r])
@@ -271,11 +298,17 @@ def _describe(rank: int, progress: Progress) -> list[str]:
     if progress.waiting is not None:
         group, sequence, label, kind, since = progress.waiting
         lines.append(
-            f"Rank {rank} is itself waiting in collective #{sequence} ({label} {kind}) over ranks "
-            f"{list(group)}, for {time.monotonic() - since:.1f} s."
+            f"Rank {rank} is itself waiting in collective #{sequence} ({label} {kind}) over "
+            f"{_name(group)}, for {time.monotonic() - since:.1f} s."
         )
     lines += [f"Rank {rank}, {name}: {what}." for name, what in sorted(progress.pending.items())]
     return lines
+
+
+def _name(group: GroupKey) -> str:
+    """``group`` for a message: its ranks, and its description when it has one."""
+    ranks, desc = group
+    return f"ranks {list(ranks)}" + (f" (group {desc!r})" if desc and desc != "undefined" else "")
 
 
 def missing_names(names: list[str]) -> str:

@@ -29,7 +29,12 @@ from gradsync.buffers import (
     refuse_fields_ddp_cannot_honour,
 )
 from gradsync.buffers.bucket_group import ParamAndGradBucketGroup
-from gradsync.buffers.shard_alignment import ShardAlignmentSpec, ShardBalance, set_shard_alignments
+from gradsync.buffers.shard_alignment import (
+    ShardAlignmentSpec,
+    ShardBalance,
+    set_shard_alignments,
+    shard_alignment_of,
+)
 from gradsync.groups import ModelParallelConfigProtocol, ProcessGroupCollection
 from gradsync.groups.model_config import describe_model_parallel
 
@@ -116,6 +121,13 @@ class DistributedDataParallel(_BaseDataParallel):
         assert dp_cp is not None
         check_params_match_across_ranks(named, dp_cp, self.pg_collection.expt_dp)
         set_shard_alignments(named, shard_alignment)
+        chunked = [name for name, param in named if shard_alignment_of(param).alone]
+        if chunked:
+            raise ValueError(
+                f"shard_alignment 'chunk' (params {chunked[:3]}...) is gradsync-fsdp's torch-native DTensor "
+                "layout; the distributed optimizer's main params are plain tensors: use 'row', 'tensor' or "
+                "'block'"
+            )
 
         pp = self.pg_collection.pp
         pp_rank = pp.rank() if isinstance(pp, dist.ProcessGroup) else 0

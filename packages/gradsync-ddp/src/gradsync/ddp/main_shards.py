@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.buffers import ParamAndGradBuffer
+from gradsync.buffers.matrix_optim import mark_param_origin
 from gradsync.buffers.shard_alignment import row_size, shard_alignment_of
 
 
@@ -105,10 +106,10 @@ def build_bucket_shards(
                 view = main[a:b]
                 view.copy_(param.detach().view(-1)[param_range[0] : param_range[1]])
                 shape = piece_shape(param, param_range)
+                piece_main = nn.Parameter(view.view(shape))
+                mark_param_origin(piece_main, param.shape, piece_offsets(param, param_range, shape))
                 shard.pieces.append(
-                    ShardPiece(
-                        names[param], param, nn.Parameter(view.view(shape)), param_range, key, group, shape
-                    )
+                    ShardPiece(names[param], param, piece_main, param_range, key, group, shape)
                 )
                 shard.spans.append((a, b))
             shard.attach_grads()
@@ -129,6 +130,14 @@ def piece_shape(param: nn.Parameter, param_range: tuple[int, int]) -> torch.Size
     if param.dim() > 1 and lo % row == 0 and hi % row == 0:
         return torch.Size([(hi - lo) // row, *param.shape[1:]])
     return torch.Size([hi - lo])
+
+
+def piece_offsets(param: nn.Parameter, param_range: tuple[int, int], shape: torch.Size) -> tuple[int, ...]:
+    """Where a piece of ``shape`` starts in ``param`` (for matrix optimizers): its first row for whole
+    rows, else its first element of the flattened param (a flat piece)."""
+    if len(shape) == param.dim() and param.dim() > 0:
+        return (param_range[0] // row_size(param.shape),) + (0,) * (param.dim() - 1)
+    return (param_range[0],)
 
 
 def read_main_params_from_state_dict(pieces: list[ShardPiece], state_dict: dict[str, torch.Tensor]) -> None:

@@ -7,8 +7,9 @@ its fallback for buckets that are not shaped like the most common unit; with
 ``megatron_fsdp_max_pool_double_buffer`` a :class:`MaxPoolDoubleBufferAllocator` instead, which every unit
 fits. ``fsdp_db_use_persist_buf_on_alloc_fail`` makes the fallback a :class:`PersistentBucketAllocator`.
 ``no_shard`` and ``optim`` allocate no whole-bucket buffer per use, so double buffering leaves them as they
-are. With ``nccl_ub`` the double buffers come from an NCCL memory pool registered on the shard group;
-fallback buffers (persistent ones too) stay ordinary (unregistered) memory.
+are. With ``nccl_ub`` the double buffers come from an NCCL memory pool registered on every group that
+sends them (the shard group, and the gather lane when gathers have one); fallback buffers (persistent
+ones too) stay ordinary (unregistered) memory.
 """
 
 from __future__ import annotations
@@ -44,17 +45,18 @@ def choose_allocators(
     specs: Sequence[BucketSpec],
     layouts: Sequence[BucketLayout],
     policy: MixedPrecisionPolicy,
-    group: dist.ProcessGroup,
+    groups: Sequence[dist.ProcessGroup],
     device: torch.device,
 ) -> tuple[BucketAllocators, NcclUserBufferPool | None]:
-    """The allocators for ``specs`` (laid out as ``layouts``), and the NCCL pool when ``nccl_ub``."""
+    """The allocators for ``specs`` (laid out as ``layouts``), and the NCCL pool when ``nccl_ub``,
+    registered on ``groups``."""
     buffered = config.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
     if not (config.fsdp_double_buffer or config.nccl_ub) or not buffered:
         return BucketAllocators.dynamic(), None  # no_shard / optim: nothing to double-buffer
     pool = None
     context: MemoryContext = contextlib.nullcontext
     if config.nccl_ub:
-        pool = NcclUserBufferPool([group], device, symmetric=not config.disable_symmetric_registration)
+        pool = NcclUserBufferPool(groups, device, symmetric=not config.disable_symmetric_registration)
         context = pool.allocating
 
     def units(dtype_of: dict[int, torch.dtype]) -> list[UnitBuckets]:

@@ -77,13 +77,23 @@ def bucket_layout(
     shard into the outer pieces with outer ``optim``."""
     pieces = outer.pieces if outer is not None else 1
     world = group.size() * pieces if sharding.shard_main else 1
+    for name, param in zip(spec.names, spec.params, strict=True):
+        if shard_alignment_of(param).alone and (pieces > 1 or param.dim() == 0):
+            raise ValueError(
+                f"shard_alignment 'chunk' for param {name!r}: torch's chunk rule needs a param of at least "
+                "one dim and one shard dim (outer_dp_sharding_strategy 'optim' lays shards out in (inner, "
+                "outer) order); use 'row', 'tensor' or 'block' for it"
+            )
     return compute_bucket_layout(
         [p.shape for p in spec.params], world, [shard_alignment_of(p) for p in spec.params]
     )
 
 
 class FlatParamBucket:
-    """The flat buffers of one bucket and the collectives that keep them in sync across ``group``."""
+    """The flat buffers of one bucket and the collectives that keep them in sync across ``group``: grads
+    are reduced over ``group``, weights gathered over ``gather_group`` (the gather lane,
+    :mod:`gradsync.fsdp.lanes`: the same ranks, so a gather does not queue behind a reduction; default
+    ``group``)."""
 
     def __init__(
         self,
@@ -96,9 +106,11 @@ class FlatParamBucket:
         allocators: BucketAllocators | None = None,
         outer: OuterReplication | None = None,
         unset: Collection[torch.Tensor] = (),
+        gather_group: dist.ProcessGroup | None = None,
     ) -> None:
         """``unset``: params without values yet (meta-device init); :meth:`write_param` sets them."""
         self.bucket_id, self.spec, self.sharding, self.group = bucket_id, spec, sharding, group
+        self.gather_group = group if gather_group is None else gather_group
         self.label = f"fsdp.bucket{bucket_id}"  # in telemetry
         self.outer = outer
         self.layout: BucketLayout = bucket_layout(spec, sharding, group, outer)
@@ -227,8 +239,8 @@ class FlatParamBucket:
     def _gather_inner(self) -> Launched:
         if self.weight_shard is not None:
             self.weight[self.shard_lo : self.shard_hi].copy_(self.weight_shard)
-        self._record("all_gather", self.weight, self.group)
-        return all_gather_shards(self.weight, self.group, label=self.label)
+        self._record("all_gather", self.weight, self.gather_group)
+        return all_gather_shards(self.weight, self.gather_group, label=self.label)
 
     def wait_gather(self) -> None:
         if self.status is BucketStatus.EMPTY:
@@ -407,8 +419,10 @@ class FlatParamBucket:
         self.stats.begin(op, payload.numel() * payload.element_size(), group.size(), payload.device)
 
     def grad_view(self, index: int) -> torch.Tensor | None:
-        """Item ``index``'s reduced grad rows owned by this rank (None when it owns none)."""
-        if self.grad is None or self.local_span(index)[0] == self.local_span(index)[1]:
+        """Item ``index``'s reduced grad rows owned by this rank, empty when it owns none (every rank
+        holds a grad, so torch's ops over all grads, ``clip_grad_norm_``, issue the same collectives on
+        every rank); None for frozen buckets."""
+        if self.grad is None:
             return None
         return self.local_view(self.grad, self.grad_range[0], index)
 

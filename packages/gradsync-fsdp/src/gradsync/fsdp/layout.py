@@ -101,6 +101,10 @@ def compute_bucket_layout(
     if len(policies) != len(shapes):
         raise ValueError(f"{len(shapes)} params but {len(policies)} shard-alignment policies")
     sizes = [torch.Size(shape) for shape in shapes]
+    if len(shapes) > 1 and any(policy.alone for policy in policies):
+        raise ValueError(
+            "a 'chunk' param must have a bucket of its own (torch's chunk rule fills every shard)"
+        )
     packed = pack_shards(
         [math.prod(shape) for shape in sizes],
         [

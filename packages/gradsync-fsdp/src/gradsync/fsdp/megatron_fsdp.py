@@ -51,6 +51,7 @@ from .hooks import (
     weak_method,
 )
 from .hsdp import optimizer_placements, outer_replication
+from .lanes import gather_group
 from .meta_init import ParamInitFn, materialize, replace_meta_params
 from .mixed_precision import MixedPrecisionPolicy, policy_from_config
 from .optimizer_params import attach_grads, build_optimizer_params
@@ -107,6 +108,7 @@ class MegatronFSDP(nn.Module):
         *,
         param_init_fn: ParamInitFn | None = None,
         shard_alignment: ShardAlignmentSpec = None,
+        gather_lane: bool = True,
     ) -> None:
         """Arguments in the reference's order (spec fsdp.md §1.2). ``mixed_precision_policy`` None: the
         one ``ddp_config`` describes. ``init_model_with_meta_device``: ``module`` was built on the meta
@@ -118,7 +120,9 @@ class MegatronFSDP(nn.Module):
         The fine-grained gather hooks are not built (``NotImplementedError`` when asked for).
         ``shard_alignment`` (gradsync's addition): where shards may cut each param, one policy or per
         param name (:mod:`gradsync.buffers.shard_alignment`): ``row`` (default), ``tensor`` (whole on one
-        rank, as Muon needs) or ``block:k`` / ``block:RxC``."""
+        rank, as Muon needs) or ``block:k`` / ``block:RxC``. ``gather_lane`` (gradsync's addition): param
+        all-gathers run on a group of their own over the shard group's ranks, so they never queue behind
+        grad reductions (:mod:`gradsync.fsdp.lanes`); False keeps them on the shard group."""
         super().__init__()
         if enable_fine_grained_param_gather_hook or enable_fine_grained_param_gather_backward_hook:
             raise NotImplementedError(
@@ -165,17 +169,28 @@ class MegatronFSDP(nn.Module):
         named = list(module.named_parameters())
         set_shard_alignments(named, shard_alignment)
         check_params_match_across_ranks(named, dist_index.get_dp_group(), who="MegatronFSDP")
+        self.gather_group = gather_group(dist_index, gather_lane and self.sharding.shard_main)
         self.fsdp_unit_modules = resolve_unit_classes(fsdp_unit_modules)
         self.units = find_units(module, self.fsdp_unit_modules)
         bucket_size = None if disable_bucketing else ddp_config.bucket_size
         specs = group_into_buckets(module, self.units, bucket_size)
         layouts = [bucket_layout(spec, self.sharding, group, self.outer) for spec in specs]
+        comm_groups = [group] if self.gather_group is group else [group, self.gather_group]
         self.allocators, self.nccl_ub_pool = choose_allocators(
-            ddp_config, specs, layouts, self.mp_policy, group, self.device
+            ddp_config, specs, layouts, self.mp_policy, comm_groups, self.device
         )
         self.buckets = [
             FlatParamBucket(
-                i, spec, self.sharding, self.mp_policy, group, self.device, self.allocators, self.outer, unset
+                i,
+                spec,
+                self.sharding,
+                self.mp_policy,
+                group,
+                self.device,
+                self.allocators,
+                self.outer,
+                unset,
+                gather_group=self.gather_group,
             )
             for i, spec in enumerate(specs)
         ]
@@ -250,6 +265,7 @@ class MegatronFSDP(nn.Module):
         )
         self._in_backward = False
         self._grads_finished = False
+        self.units_kept_after_forward: set[int] = set()  # ZeRO-3 units not released after their forward
         set_state(module, TrainingState.IDLE)
         self._register_hooks()
         self._replace_param_with_distributed_if_needed()
@@ -440,10 +456,12 @@ class MegatronFSDP(nn.Module):
         return None
 
     def _unit_post_forward(self, unit_id: int, unit: nn.Module, args: Any, output: Any) -> None:
-        """ZeRO-3 releases the unit, except during recomputation (its backward follows at once) and for
-        the last unit when a backward will follow: backward starts with it."""
+        """ZeRO-3 releases the unit, except during recomputation (its backward follows at once) and, when
+        a backward will follow, for the last unit (backward starts with it) and ``units_kept_after_forward``
+        (FSDP2's ``reshard_after_forward=False``: no gather in the backward)."""
         recomputing = get_state(unit) is TrainingState.PRE_BACKWARD
-        needed_next = unit_id == len(self.units) - 1 and torch.is_grad_enabled()
+        kept = unit_id == len(self.units) - 1 or unit_id in self.units_kept_after_forward
+        needed_next = kept and torch.is_grad_enabled()
         if self.sharding.shard_params and not recomputing and not needed_next:
             for bucket in self._unit_buckets[unit_id]:
                 bucket.release()

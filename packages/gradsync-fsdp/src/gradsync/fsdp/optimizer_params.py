@@ -67,8 +67,8 @@ def build_optimizer_params(
 def attach_grads(
     bucket: FlatParamBucket, params: list[nn.Parameter], mesh: DeviceMesh, placements: Sequence[Placement]
 ) -> None:
-    """Give each optimizer param its reduced grad (a view when dtypes match, else a cast copy); None
-    where this rank owns no rows, so the optimizer skips it."""
+    """Give each optimizer param its reduced grad (a view when dtypes match, else a cast copy), an empty
+    one where this rank owns no rows, as FSDP2's shards have."""
     for index, param in enumerate(params):
         local = bucket.grad_view(index)
         if local is None or not param.requires_grad:

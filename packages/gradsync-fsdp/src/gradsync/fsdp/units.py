@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from gradsync.buffers import is_expert_parallel
+from gradsync.buffers.shard_alignment import shard_alignment_of
 
 UnitEntry = type[nn.Module] | str
 
@@ -79,7 +80,7 @@ def group_into_buckets(
 ) -> list[BucketSpec]:
     """Buckets in first-use order of ``root.named_parameters()``: one per (unit, dtype, requires_grad);
     params outside units (or used across a unit boundary) share buckets per (dtype, requires_grad), split
-    at ``bucket_size`` elements."""
+    at ``bucket_size`` elements. A ``chunk``-aligned param has a bucket of its own."""
     unit_of = _unit_of_params(root, units)
     groups: dict[tuple[torch.dtype, bool, int | None], list[BucketSpec]] = {}
     ordered: list[BucketSpec] = []
@@ -90,6 +91,9 @@ def group_into_buckets(
                 "expert params yet: wrap the experts with gradsync-ddp or leave them out of the model"
             )
         unit_id = unit_of.get(param)
+        if shard_alignment_of(param).alone:  # torch's chunk rule: a bucket of its own
+            ordered.append(BucketSpec(param.dtype, param.requires_grad, unit_id, [name], [param]))
+            continue
         key = (param.dtype, param.requires_grad, unit_id)
         buckets = groups.setdefault(key, [])
         full = (

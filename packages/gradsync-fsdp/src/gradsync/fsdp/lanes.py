@@ -1,0 +1,87 @@
+"""The gather lane: param all-gathers run on a process group of their own, over exactly the shard group's
+ranks, so a prefetched gather never queues behind a grad reduction issued before it.
+
+Collectives of one group run in issue order: on NCCL a group is one communicator with one internal stream,
+on gloo one queue served by two worker threads (a gather issued after two reductions waits for one of
+them to finish). A second group has its own stream (NCCL) or its own workers (gloo). Grad reductions
+(reduce-scatter, all-reduce) stay on the shard group, HSDP's outer stage on the outer group. Ordering stays
+explicit per collective: a gather is waited before its weights are read, a reduction before its grads
+are; on NCCL that wait orders the compute stream after the lane's stream, on gloo it blocks the host.
+
+Where the lane comes from: the index's own all-gather group (``FSDPDistributedIndex(fsdp_group_ag=...)``,
+as the reference's ``get_fsdp_group(independent_all_gather=True)``) when it has one; else gradsync builds
+one per shard group and reuses it for every later wrap. Building one is a collective over the whole
+world (``new_group``), so gradsync builds it only over a mesh that covers the world, enumerating the
+shard dimension's rank lists in mesh order on every rank; an index over part of the world (``from_group``
+on a data-parallel group beside tensor parallelism, say) keeps its gathers on the shard group unless it
+carries ``fsdp_group_ag``.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from gradsync.groups import FSDPDistributedIndex
+
+LANE_DESC = "gradsync_fsdp_gather_lane"
+"""``group_desc`` of the lanes gradsync builds (it also tells them apart in the hang watchdog)."""
+
+_LANES: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = weakref.WeakKeyDictionary()
+"""Shard group -> its lane: one per shard group however many models are wrapped (a destroyed group's
+entry goes with it)."""
+
+
+def gather_group(dist_index: FSDPDistributedIndex, enabled: bool) -> dist.ProcessGroup:
+    """The group param all-gathers run on: the gather lane when ``enabled`` and there is or can be one,
+    else the shard group. Every rank of the world must call it alike (it may build groups)."""
+    shard = dist_index.get_fsdp_group()
+    if not enabled or shard.size() == 1:
+        return shard
+    given = dist_index.get_fsdp_group(independent_all_gather=True)
+    if given is not shard:
+        _require_same_ranks(given, shard, "the index's all-gather group (FSDPDistributedIndex fsdp_group_ag)")
+        return given
+    lane = _LANES.get(shard)
+    if lane is None:
+        assert dist_index.dp_shard_dim is not None  # the index refuses to exist without one
+        lane = _build_lane(dist_index.device_mesh, dist_index.dp_shard_dim, shard)
+        _LANES[shard] = lane
+    return lane
+
+
+def _build_lane(mesh: DeviceMesh, dim: str, shard: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new group over ``shard``'s ranks, made collectively: every rank creates one group per rank list
+    of ``mesh``'s dimension ``dim``, in mesh order, and keeps its own. ``shard`` itself where that cannot
+    be done alike on every rank: a mesh over part of the world (the ranks outside it would have to join),
+    ``dim`` not one of its named dimensions (flattened), or ranks out of order along it (``new_group``
+    sorts them, so the lane's rank numbering would not be the shard group's)."""
+    names = mesh.mesh_dim_names or ()
+    if dim not in names or mesh.mesh.numel() != dist.get_world_size():
+        return shard
+    ranks = mesh.mesh.movedim(names.index(dim), -1)
+    rank_lists: list[list[int]] = ranks.reshape(-1, ranks.shape[-1]).tolist()
+    if any(members != sorted(members) for members in rank_lists):
+        return shard
+    # the default group's backend, as the mesh's own groups have, unless the shard group has another
+    backend = None if dist.get_backend(shard) == dist.get_backend() else dist.get_backend_config(shard)
+    lane = shard
+    for members in rank_lists:
+        group = dist.new_group(members, backend=backend, group_desc=LANE_DESC)
+        if dist.get_rank() in members:
+            lane = group
+    _require_same_ranks(lane, shard, "the gather lane built from the index's mesh")
+    return lane
+
+
+def _require_same_ranks(lane: dist.ProcessGroup, shard: dist.ProcessGroup, what: str) -> None:
+    """Gathers place each rank's shard by its rank in the group: the lane must number ranks as the shard
+    group does."""
+    lane_ranks, shard_ranks = dist.get_process_group_ranks(lane), dist.get_process_group_ranks(shard)
+    if lane_ranks != shard_ranks:
+        raise ValueError(
+            f"MegatronFSDP: {what} spans ranks {lane_ranks} but the shard group spans {shard_ranks}; it must "
+            "span the shard group's ranks in their order (or pass gather_lane=False)"
+        )

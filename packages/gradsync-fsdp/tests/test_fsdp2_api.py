@@ -1,0 +1,541 @@
+"""FSDP2's per-module API (``gradsync.fsdp.fsdp2``): torchtitan's loop — ``fully_shard`` on each block, then
+on the root, the optimizer built after it on ``model.parameters()``, plain ``backward`` / ``step`` /
+``zero_grad``, accumulation with ``set_requires_gradient_sync(False)`` on all but the last microbatch —
+equals one process on the global batch (fp32: <= 1e-6 relative) and torch's own
+``torch.distributed.fsdp.fully_shard`` running the very same loop (the module is imported by name, so the
+two runs differ only by that import), for ZeRO-3 and ZeRO-2 units at 2 and 4 ranks, units with mixed
+``reshard_after_forward``, a root alone, and a 2x2 HSDP mesh with the outer axis replicating or sharding
+the optimizer state; bf16 ``param_dtype`` as torch's and within its rounding of one process. Then what ``fully_shard`` builds,
+the methods that map, and every refusal, by its message.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import re
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from fsdp_testkit import (
+    Block,
+    TinyTransformer,
+    local_microbatches,
+    make_optimizer,
+    max_relative_difference,
+    reference_training,
+)
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from gradsync.fsdp import MixedPrecisionPolicy as GradsyncPrecision
+from gradsync.fsdp import uneven_dtensor_to_full_tensor
+from gradsync.fsdp.fsdp2 import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    megatron_fsdp_of,
+)
+from gradsync.groups.testing import run_distributed, test_device
+
+STEPS, MICRO = 4, 2
+GRADSYNC, TORCH = "gradsync.fsdp.fsdp2", "torch.distributed.fsdp"
+
+
+def dp_mesh(shape: tuple[int, ...]) -> DeviceMesh:
+    names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
+    return init_device_mesh(test_device().type, shape, mesh_dim_names=names)
+
+
+def torchtitan_loop(
+    api_name: str,
+    shape: tuple[int, ...],
+    reshards: tuple[bool | None, ...] | None,
+    param_dtype: torch.dtype | None = None,
+    **gradsync_only: Any,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """torchtitan's apply_fsdp and train loop, written once for both APIs; ``reshards`` None: the root
+    alone. Returns the whole weights (the optimizer's, fp32), each step's grad norm (clipping at a bound
+    it never reaches, so the weights stay comparable with the unclipped reference) and, for gradsync,
+    what it built."""
+    api = importlib.import_module(api_name)
+    mesh = dp_mesh(shape)
+    mp_policy = api.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    model = TinyTransformer()
+    for block, reshard in zip(model.blocks, reshards or (), strict=False):
+        api.fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard, **gradsync_only)
+    api.fully_shard(model, mesh=mesh, mp_policy=mp_policy, **gradsync_only)
+    optimizer = make_optimizer(model.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    norms = []
+    for step in range(STEPS):
+        batches = local_microbatches(step, rank, world, MICRO)
+        for i, batch in enumerate(batches):
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+            (model(batch) / MICRO).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e6)
+        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+        optimizer.step()
+        optimizer.zero_grad()
+    built: dict[str, Any] = {"grad norms": norms}
+    if api_name == GRADSYNC:
+        fsdp = megatron_fsdp_of(model)
+        built |= {
+            "strategy": fsdp.data_parallel_sharding_strategy,
+            "units": [u is b for u, b in zip(fsdp.units, model.blocks, strict=False)],
+            "kept": fsdp.units_kept_after_forward,
+            "placements": {tuple(p.placements) for p in model.parameters()},
+            "compute dtype": fsdp.buckets[0].weight.dtype,
+        }
+    return whole_weights(model), built
+
+
+def whole_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The optimizer's weights, whole (torch's DTensors and gradsync's uneven ones alike)."""
+    return {name: uneven_dtensor_to_full_tensor(p).cpu() for name, p in model.named_parameters()}
+
+
+def both_apis(*args: Any, **gradsync_only: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any], Any]:
+    """The same loop with gradsync's API and with torch's, on the same ranks."""
+    ours, built = torchtitan_loop(GRADSYNC, *args, **gradsync_only)
+    theirs, torch_built = torchtitan_loop(TORCH, *args[:3])  # torch has no outer_dp_sharding_strategy
+    built["torch grad norms"] = torch_built["grad norms"]
+    return ours, built, theirs
+
+
+@functools.lru_cache(maxsize=4)
+def reference(world: int) -> dict[str, torch.Tensor]:
+    return reference_training(world, MICRO, STEPS)
+
+
+@pytest.mark.parametrize(
+    ("world", "reshards", "strategy", "kept"),
+    [
+        (2, (True, True), "optim_grads_params", set()),
+        (4, (True, True), "optim_grads_params", set()),
+        (2, (False, False), "optim_grads", set()),
+        (4, (False, False), "optim_grads", set()),
+        (2, (False, True), "optim_grads_params", {0}),  # mixed: unit 0 stays gathered until its backward
+        (2, (True, False), "optim_grads_params", {1}),  # torchtitan's default: the last block kept
+        (2, None, "optim_grads_params", set()),  # fully_shard(model) alone
+    ],
+)
+def test_torchtitan_loop_matches_one_process_and_torch(
+    world: int, reshards: tuple[bool, ...] | None, strategy: str, kept: set[int]
+) -> None:
+    for rank, (ours, built, theirs) in enumerate(
+        run_distributed(both_apis, world, args=((world,), reshards))
+    ):
+        assert built["strategy"] == strategy, rank
+        assert built["units"] == ([True, True] if reshards else [])
+        assert built["kept"] == kept
+        assert built["placements"] == {(Shard(0),)}
+        assert max_relative_difference(ours, reference(world)) <= 1e-6, rank
+        assert max_relative_difference(ours, theirs) <= 1e-6, rank
+        assert built["grad norms"] == pytest.approx(built["torch grad norms"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("outer", "placements"),
+    [("no_shard", (Replicate(), Shard(0))), ("optim", (Shard(0), Shard(0)))],
+)
+def test_hsdp_mesh_matches_one_process_and_torch(outer: str, placements: tuple[Any, ...]) -> None:
+    """A (replicate 2, shard 2) mesh: torch's HSDP, and the issue's per-axis placement (ZeRO-1 over the
+    outer axis, ZeRO-3 inside) through gradsync's ``outer_dp_sharding_strategy``; torch runs plain HSDP,
+    which computes the same weights."""
+    results = run_distributed(
+        both_apis, 4, args=((2, 2), (True, True)), kwargs={"outer_dp_sharding_strategy": outer}
+    )
+    for rank, (ours, built, theirs) in enumerate(results):
+        assert built["placements"] == {placements}, rank
+        assert max_relative_difference(ours, reference(4)) <= 1e-6, rank
+        assert max_relative_difference(ours, theirs) <= 1e-6, rank
+
+
+BF16_BOUND = 3e-3
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_bf16_param_dtype_matches_torch_and_rounds_like_it(reshard: bool) -> None:
+    """``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: bf16 compute weights over fp32
+    optimizer weights (kept from the fp32 values, not their bf16 rounding), reduced in fp32, as torch
+    does: measured bit-identical to torch's run, and 8.3e-4 from the fp32 one-process run (each rank's
+    bf16 forward rounds; the bound leaves 3.6x)."""
+    args = ((2,), (reshard, reshard), torch.bfloat16)
+    for rank, (ours, built, theirs) in enumerate(run_distributed(both_apis, 2, args=args)):
+        assert built["compute dtype"] == torch.bfloat16, rank
+        assert {w.dtype for w in ours.values()} == {torch.float32}
+        assert max_relative_difference(ours, theirs) <= 1e-6, rank
+        assert 0 < max_relative_difference(ours, reference(2)) <= BF16_BOUND, rank
+
+
+# --- what fully_shard builds -------------------------------------------------------------------------
+
+
+def built_model() -> dict[str, Any]:
+    model = TinyTransformer()
+    blocks = list(model.blocks)
+    returned = [fully_shard(block) for block in blocks]
+    before_root = {
+        "block class": type(blocks[0]).__name__,
+        "block params plain": not isinstance(blocks[0].up.weight, DTensor),  # blocks[0].parameters()
+        # would make the block a root of its own (its first use), as the test below checks
+    }
+    root = fully_shard(model)
+    fsdp = megatron_fsdp_of(model)
+    return {
+        **before_root,
+        "same objects": root is model and all(r is b for r, b in zip(returned, blocks, strict=True)),
+        "root class": type(model).__name__,
+        "still their classes": isinstance(model, TinyTransformer)
+        and all(isinstance(b, Block) for b in blocks),
+        "fsdp modules": isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in blocks),
+        "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+        "state dict keys": list(model.state_dict()) == list(TinyTransformer().state_dict()),
+        "one wrapper": all(megatron_fsdp_of(m) is fsdp for m in (model, *blocks)),
+        "constructing the class": type(type(blocks[0])()).__name__,
+    }
+
+
+def test_fully_shard_keeps_the_modules_and_swaps_their_classes() -> None:
+    for facts in run_distributed(built_model, 2):
+        assert facts == {
+            "block class": "FSDPBlock",
+            "block params plain": True,  # a unit's params wait for the root call
+            "same objects": True,
+            "root class": "FSDPTinyTransformer",
+            "still their classes": True,
+            "fsdp modules": True,
+            "dtensors": True,
+            "state dict keys": True,
+            "one wrapper": True,
+            "constructing the class": "Block",  # as containers rebuild themselves when sliced
+        }
+
+
+def gathers() -> dict[str, Any]:
+    """Unit 0's bucket status at the forward of unit 1, and after unshard() / reshard()."""
+    model = TinyTransformer()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    fsdp = megatron_fsdp_of(model)
+    first, second = model.blocks
+    unit = [b for b in fsdp.buckets if b.spec.unit_id == fsdp.units.index(first)]
+    seen: list[str] = []
+    second.register_forward_pre_hook(lambda *_: seen.append(unit[0].status.name))
+    batch = local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]
+    model(batch).backward()
+    first.set_reshard_after_forward(False)
+    model(batch).backward()
+    model.set_reshard_after_forward(True)  # recursive from the root: every unit again
+    model(batch).backward()
+    facts: dict[str, Any] = {"at the next unit's forward": seen}
+    first.unshard()
+    facts["unshard"] = unit[0].status.name
+    first.reshard()
+    facts["reshard"] = unit[0].status.name
+    handle = first.unshard(async_op=True)
+    assert handle is not None
+    handle.wait()
+    facts["unshard async, waited"] = unit[0].status.name
+    first.reshard()
+    return facts
+
+
+def test_unshard_reshard_and_set_reshard_after_forward() -> None:
+    for facts in run_distributed(gathers, 2):
+        assert facts == {
+            "at the next unit's forward": ["EMPTY", "READY_TO_USE", "EMPTY"],
+            "unshard": "READY_TO_USE",
+            "reshard": "EMPTY",
+            "unshard async, waited": "READY_TO_USE",
+        }
+
+
+def ignored_and_loaded() -> dict[str, Any]:
+    """The final norm's weight ignored: a plain param with this rank's own, unreduced grad. Then a
+    state dict loaded into the sharded model, which must compute what the source model computes (ZeRO-2
+    units: each rank loads its rows, and the whole weights must be gathered again)."""
+    model = TinyTransformer()
+    twin = copy.deepcopy(model)
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=False)
+    fully_shard(model, ignored_params={model.norm.weight})
+    batch = local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]
+    model(batch).backward()
+    twin(batch).backward()
+    ignored = model.norm.weight
+    facts: dict[str, Any] = {
+        "ignored plain": not isinstance(ignored, DTensor),
+        "others sharded": all(isinstance(p, DTensor) for p in model.parameters() if p is not ignored),
+        "local grad": ignored.grad is not None
+        and torch.allclose(ignored.grad, twin.norm.weight.grad, rtol=1e-5, atol=1e-7),
+    }
+    other = TinyTransformer(seed=7)
+    model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        facts["loaded"] = float((model(batch) - other(batch)).abs())
+    return facts
+
+
+def test_ignored_params_stay_local_and_load_state_dict_installs() -> None:
+    results = run_distributed(ignored_and_loaded, 2)
+    for facts in results:
+        assert facts["ignored plain"]
+        assert facts["others sharded"]
+        assert facts["local grad"]
+        assert facts["loaded"] <= 1e-6
+
+
+class Tower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+def cast_at_boundaries() -> tuple[torch.dtype, torch.dtype]:
+    """fp32 inputs reach bf16 weights only through ``cast_forward_inputs``; ``output_dtype`` casts the
+    root's output back."""
+    model = Tower().to(test_device())
+    compute = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fully_shard(model.first, mp_policy=compute)
+    fully_shard(model.second, mp_policy=compute)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32))
+    seen: list[torch.dtype] = []
+    model.second.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    out = model(torch.randn(2, 4, device=test_device()))
+    out.sum().backward()
+    return seen[0], out.dtype
+
+
+def test_mixed_precision_casts_inputs_and_outputs() -> None:
+    for inner, outer in run_distributed(cast_at_boundaries, 2):
+        assert (inner, outer) == (torch.bfloat16, torch.float32)
+
+
+# --- refusals ----------------------------------------------------------------------------------------
+
+
+def two_units(model: TinyTransformer, **kwargs: Any) -> None:
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+
+
+def refuse_forgotten_zero_grad(model: TinyTransformer) -> None:
+    two_units(model)
+    fully_shard(model)
+    optimizer = make_optimizer(model.parameters())
+    batch = local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]
+    model(batch).backward()
+    optimizer.step()
+    model(batch)
+
+
+def refuse_forgotten_root(model: TinyTransformer) -> None:
+    two_units(model)
+    model(local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0])
+
+
+def refuse_nested(model: TinyTransformer) -> None:
+    fully_shard(model.blocks[0].up)
+    fully_shard(model.blocks[0])
+    fully_shard(model)
+
+
+def refuse_on_built(model: TinyTransformer, method: str, *args: Any) -> None:
+    two_units(model)
+    fully_shard(model)
+    target = model.blocks[0] if method.startswith("unit.") else model
+    getattr(target, method.removeprefix("unit."))(*args)
+
+
+def refuse_zero2_resharding(model: TinyTransformer) -> None:
+    two_units(model, reshard_after_forward=False)
+    fully_shard(model)
+    model.set_reshard_after_forward(True)
+
+
+def refuse_mixed_dtypes(model: TinyTransformer) -> None:
+    model.blocks[0].to(torch.float64)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    list(model.parameters())  # a lone call is built at the first use
+
+
+def refuse_meta(model: TinyTransformer) -> None:
+    with torch.device("meta"):
+        fully_shard(TinyTransformer())
+
+
+REFUSALS: dict[str, tuple[Any, str]] = {  # what to do, and the message's fragments
+    "offload_policy": (
+        lambda m: fully_shard(m, offload_policy=CPUOffloadPolicy()),
+        "offload_policy=CPUOffloadPolicy(pin_memory=True) is not supported … drop offload_policy",
+    ),
+    "shard_placement_fn": (
+        lambda m: fully_shard(m, shard_placement_fn=lambda p: Shard(p.dim() - 1)),
+        "shard_placement_fn returned Shard(dim=1) for 'embedding.weight' … return None or Shard(0)",
+    ),
+    "reshard_after_forward int": (
+        lambda m: fully_shard(m, reshard_after_forward=2),
+        "reshard_after_forward=2 … pass True … or False",
+    ),
+    "dp_mesh_dims": (
+        lambda m: fully_shard(m, dp_mesh_dims=object()),
+        "dp_mesh_dims … pass the data-parallel mesh",
+    ),
+    "3-D mesh": (
+        lambda m: fully_shard(m, mesh=init_device_mesh(test_device().type, (2, 1, 1))),
+        "mesh has 3 dims … 1-D … or a 2-D",
+    ),
+    "outer optim on a 1-D mesh": (
+        lambda m: fully_shard(m, outer_dp_sharding_strategy="optim"),
+        "outer_dp_sharding_strategy='optim' shards over the outer axis of a 2-D … mesh",
+    ),
+    "outer optim over ZeRO-2": (
+        lambda m: (
+            two_units(
+                m, mesh=dp_mesh((1, 2)), reshard_after_forward=False, outer_dp_sharding_strategy="optim"
+            ),
+            fully_shard(m, mesh=dp_mesh((1, 2)), outer_dp_sharding_strategy="optim"),
+        ),
+        "needs ZeRO-3 inside: pass reshard_after_forward=True to at least one unit",
+    ),
+    "unknown outer strategy": (
+        lambda m: fully_shard(m, outer_dp_sharding_strategy="optim_grads"),
+        "outer_dp_sharding_strategy='optim_grads' … 'no_shard' … 'optim'",
+    ),
+    "gradsync's policy class": (
+        lambda m: fully_shard(m, mp_policy=GradsyncPrecision()),
+        "must be torch's MixedPrecisionPolicy",
+    ),
+    "units and root disagree": (
+        lambda m: (
+            two_units(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+            fully_shard(m),
+        ),
+        "root call's mp_policy.param_dtype=None differs from torch.bfloat16 … pass the same value to every call",
+    ),
+    "twice": (
+        lambda m: (fully_shard(m), fully_shard(m)),
+        "TinyTransformer was already passed to fully_shard",
+    ),
+    "top-down": (
+        lambda m: (fully_shard(m), fully_shard(m.blocks[0])),
+        "TinyTransformer, which holds this Block, was already passed … bottom-up",
+    ),
+    "nested units": (
+        refuse_nested,
+        "FSDPBlock, inside this TinyTransformer, is already a root … do not nest",
+    ),
+    "after the root": (
+        lambda m: (fully_shard(m), list(m.parameters()), fully_shard(m.blocks[0])),
+        "Block belongs to a model that is already sharded … before the root",
+    ),
+    "list holding units": (
+        lambda m: (fully_shard(m.blocks[0]), fully_shard([m])),
+        "a list groups units … call fully_shard on the root module alone",
+    ),
+    "meta device": (refuse_meta, "params are on the meta device … initialise the model before fully_shard"),
+    "mixed dtypes": (refuse_mixed_dtypes, "param_dtype=torch.bfloat16 over params of several dtypes"),
+    "forgotten root call": (
+        refuse_forgotten_root,
+        "other module(s) passed to fully_shard … wait for a root call",
+    ),
+    "forgotten zero_grad": (
+        refuse_forgotten_zero_grad,
+        "grads still set … call optimizer.zero_grad() after",
+    ),
+    "to() after": (
+        lambda m: (fully_shard(m), list(m.parameters()), m.to(torch.float64)),
+        "moving or casting … after fully_shard is not supported … do it before fully_shard",
+    ),
+    "sync on a unit": (
+        lambda m: refuse_on_built(m, "unit.set_requires_gradient_sync", False),
+        "FSDPBlock.set_requires_gradient_sync on a unit … call model.set_requires_gradient_sync(flag) on the root",
+    ),
+    "prefetch lists": (
+        lambda m: refuse_on_built(m, "set_modules_to_forward_prefetch", []),
+        "set_modules_to_forward_prefetch() is not supported by gradsync … suggested_AG_prefetch_size",
+    ),
+    "divide factor": (
+        lambda m: refuse_on_built(m, "set_gradient_divide_factor", 2.0),
+        "set_gradient_divide_factor() is not supported … scale the loss instead",
+    ),
+    "keep after backward": (
+        lambda m: refuse_on_built(m, "set_reshard_after_backward", False),
+        "set_reshard_after_backward(False): this root releases its weights after every backward",
+    ),
+    "reshard a ZeRO-2 root": (refuse_zero2_resharding, "set_reshard_after_forward(True) … ZeRO-2"),
+}
+
+
+def refusal(case: str) -> str:
+    build, _ = REFUSALS[case]
+    try:
+        build(TinyTransformer())
+    except (ValueError, TypeError, NotImplementedError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "nothing raised"
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refusals_name_the_argument_and_the_fix(case: str) -> None:
+    _, pattern = REFUSALS[case]
+    fragments = pattern.split(" … ")  # each in the message, in this order
+    for message in run_distributed(refusal, 2, args=(case,)):
+        assert re.search(".*".join(map(re.escape, fragments)), message), message
+
+
+def grads_handed_over() -> list[bool]:
+    """After each backward: do the optimizer's params have grads? Only a backward with gradient sync
+    that is also the last ends the cycle (without sync, torch leaves the sharded grads unset too)."""
+    model = TinyTransformer()
+    two_units(model)
+    fully_shard(model)
+    batch = local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]
+    seen = []
+    for sync, last in [(False, True), (True, False), (True, True)]:
+        model.set_requires_gradient_sync(sync)
+        model.set_is_last_backward(last)
+        model(batch).backward()
+        seen.append(any(p.grad is not None for p in model.parameters()))
+    return seen
+
+
+def test_gradient_sync_flags_decide_when_grads_are_handed_over() -> None:
+    for seen in run_distributed(grads_handed_over, 2):
+        assert seen == [False, False, True]
+
+
+def accepted_methods() -> dict[str, float]:
+    """The methods that map onto gradsync's own behaviour are accepted, and training still matches."""
+    model = TinyTransformer()
+    two_units(model)
+    fully_shard(model)
+    model.set_reduce_scatter_unused_params(True)
+    model.set_requires_all_reduce(True)
+    model.set_reshard_after_backward(True)
+    optimizer = make_optimizer(model.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(STEPS):
+        batches = local_microbatches(step, rank, world, MICRO)
+        for i, batch in enumerate(batches):
+            model.set_is_last_backward(i == len(batches) - 1)  # reduced every time, handed over once
+            (model(batch) / MICRO).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # zeroed in place: a new cycle as well
+    return whole_weights(model)
+
+
+def test_set_is_last_backward_and_zeroed_in_place_grads_train_like_one_process() -> None:
+    for rank, weights in enumerate(run_distributed(accepted_methods, 2)):
+        assert max_relative_difference(weights, reference(2)) <= 1e-6, rank

@@ -1,0 +1,182 @@
+"""torch's own DTensor ops on gradsync's shards, each against the same op on the whole tensors of one
+process: ``clip_grad_norm_`` for every strategy and shard-alignment policy (every rank holds a grad, empty
+where it owns no rows, so torch's collectives line up); ``full_tensor()``, ``redistribute()``,
+``distribute_tensor``'s own chunking and DCP with the ``chunk`` policy, whose shards follow torch's
+``Shard(0)`` rule; and the refusals where that rule cannot hold."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fsdp_testkit import (
+    STRATEGIES,
+    TinyTransformer,
+    full_weights,
+    global_batch,
+    local_microbatches,
+    make_optimizer,
+    max_relative_difference,
+    wrap,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from gradsync.buffers.shard_alignment import CHUNK
+from gradsync.fsdp import compute_bucket_layout, fully_shard_optimizer, uneven_dtensor_to_full_tensor
+from gradsync.groups.testing import run_distributed
+
+MAX_NORM = 0.05  # below the grads' norm, so clipping scales them
+POLICIES = {
+    "row": None,
+    "tensor": "tensor",
+    "mixed": {"blocks.*.up.weight": "block:4x6", "blocks.*.down.weight": "tensor", "*.bias": "chunk"},
+    "chunk": "chunk",
+}
+
+
+def reference_clipped(world: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """One process, the whole global batch: the total norm and the clipped grads."""
+    model = TinyTransformer()
+    model(global_batch(0, world, 1)).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(norm), grads
+
+
+def clipped(strategy: str, alignment: Any) -> tuple[float, dict[str, torch.Tensor]]:
+    model = wrap(strategy, shard_alignment=alignment)
+    model(local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]).backward()
+    model.finish_grad_sync()
+    params = list(model.parameters())
+    assert all(isinstance(p.grad, DTensor) for p in params), "a rank without a grad desynchronises torch"
+    norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+    assert isinstance(norm, DTensor)
+    grads = {
+        n.removeprefix("module."): uneven_dtensor_to_full_tensor(p.grad).cpu()
+        for n, p in model.named_parameters()
+    }
+    return float(norm.full_tensor()), grads
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_clip_grad_norm_equals_one_process(strategy: str, policy: str) -> None:
+    want_norm, want_grads = reference_clipped(2)
+    for rank, (norm, grads) in enumerate(run_distributed(clipped, 2, args=(strategy, POLICIES[policy]))):
+        assert norm == pytest.approx(want_norm, rel=1e-6), rank
+        assert max_relative_difference(grads, want_grads) <= 1e-6, rank
+
+
+def native_ops(strategy: str) -> dict[str, Any]:
+    """After two steps with the ``chunk`` policy: torch's own ops on every param, and the whole
+    weights gathered gradsync's way to compare them with."""
+    model = wrap(strategy, shard_alignment="chunk")
+    optimizer = fully_shard_optimizer(make_optimizer(model.parameters()))
+    for step in range(2):
+        model(local_microbatches(step, dist.get_rank(), dist.get_world_size(), 1)[0]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    out: dict[str, Any] = {"whole": full_weights(model), "full": {}, "replicated": {}, "chunked": {}}
+    for prefixed, param in model.named_parameters():
+        name = prefixed.removeprefix("module.")
+        out["full"][name] = param.full_tensor().detach().cpu()
+        replicated = param.redistribute(param.device_mesh, [Replicate()])
+        out["replicated"][name] = replicated.to_local().detach().cpu()
+        again = replicated.redistribute(param.device_mesh, list(param.placements))
+        # torch's own chunking of the whole tensor is exactly this rank's shard
+        native = distribute_tensor(out["full"][name].to(param.device), param.device_mesh, param.placements)
+        out["chunked"][name] = (
+            param.placements == (Shard(0),)
+            and torch.equal(native.to_local(), param.to_local())
+            and torch.equal(again.to_local(), param.to_local())
+        )
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
+def test_chunk_shards_follow_torch_shard_rule(strategy: str, world: int) -> None:
+    for rank, out in enumerate(run_distributed(native_ops, world, args=(strategy,))):
+        for name, whole in out["whole"].items():
+            if name == "head.weight":  # tied: the embedding's
+                continue
+            assert torch.equal(out["full"][name], whole), (rank, name)
+            assert torch.equal(out["replicated"][name], whole), (rank, name)
+            assert out["chunked"][name], (rank, name)
+
+
+def _train(model: Any, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    world = dist.get_world_size()
+    micro = 4 // world
+    for step in steps:
+        batches = local_microbatches(step, dist.get_rank(), world, micro)
+        for batch in batches[:-1]:
+            with model.no_sync():
+                (model(batch) / micro).backward()
+        (model(batches[-1]) / micro).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def save_plainly(alignment: Any, directory: str) -> dict[str, torch.Tensor]:
+    """DCP straight from the state dicts, as an FSDP2 user writes it; then two more steps."""
+    model = wrap("optim_grads_params", shard_alignment=alignment)
+    optimizer = fully_shard_optimizer(make_optimizer(model.parameters()))
+    _train(model, optimizer, range(3))
+    dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=directory)
+    _train(model, optimizer, range(3, 5))
+    return full_weights(model)
+
+
+def load_plainly(alignment: Any, directory: str) -> dict[str, torch.Tensor]:
+    model = wrap("optim_grads_params", shard_alignment=alignment, seed=1)
+    optimizer = fully_shard_optimizer(make_optimizer(model.parameters()))
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=directory)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optim"])
+    _train(model, optimizer, range(3, 5))
+    return full_weights(model)
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [((4, "chunk"), (2, None)), ((2, "tensor"), (4, "chunk")), ((2, "chunk"), (2, "chunk"))],
+)
+def test_checkpoints_reshard_across_policies_and_sizes(
+    saved: tuple[int, Any], loaded: tuple[int, Any], tmp_path: Path
+) -> None:
+    directory = str(tmp_path / "ckpt")
+    uninterrupted = run_distributed(save_plainly, saved[0], args=(saved[1], directory))[0]
+    for rank, weights in enumerate(run_distributed(load_plainly, loaded[0], args=(loaded[1], directory))):
+        assert max_relative_difference(weights, uninterrupted) <= 1e-6, rank
+
+
+def refused_under_outer_optim() -> str:
+    try:
+        wrap("optim_grads_params", shard_alignment="chunk", outer=2, outer_dp_sharding_strategy="optim")
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_chunk_is_refused_where_torch_rule_cannot_hold() -> None:
+    for message in run_distributed(refused_under_outer_optim, 4):
+        assert "'chunk'" in message
+        assert "use 'row', 'tensor' or 'block'" in message
+
+
+def test_every_rank_holds_shards_torch_would_give() -> None:
+    """The layout alone: a chunk param's shard of a 37-row matrix over 4 ranks is 10, 10, 10, 7 rows."""
+    layout = compute_bucket_layout([torch.Size([37, 12])], 4, [CHUNK])
+    assert [layout.local_rows(0, r)[1] - layout.local_rows(0, r)[0] for r in range(4)] == [
+        len(c) for c in torch.arange(37).chunk(4)
+    ]
+    layout = compute_bucket_layout([torch.Size([5, 3])], 4, [CHUNK])  # torch.chunk: 2, 2, 1, 0
+    assert [layout.local_rows(0, r)[1] - layout.local_rows(0, r)[0] for r in range(4)] == [2, 2, 1, 0]
+    with pytest.raises(ValueError, match="bucket of its own"):
+        compute_bucket_layout([torch.Size([5, 3]), torch.Size([4])], 4, [CHUNK, CHUNK])
