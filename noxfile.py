@@ -261,13 +261,15 @@ def train(session: nox.Session) -> None:
     write a report. Extra arguments go to integration/train.py (``nox -s train -- --help``)."""
     install_local(session, *PACKAGES, extra=("matplotlib",))
     out_dir = ROOT / "runs" / "train"
+    args = " ".join(session.posargs)
+    whole_matrices = "muon" in args and "--tp" not in args  # Muon needs whole matrices: DP 4, no TP
+    layout = [] if whole_matrices else ["--tp=2", "--sequence-parallel"]
     session.run(
         "torchrun",
         "--standalone",
         "--nproc-per-node=4",
         str(ROOT / "integration" / "train.py"),
-        "--tp=2",
-        "--sequence-parallel",
+        *layout,
         f"--out-dir={out_dir}",
         *session.posargs,
     )

@@ -67,7 +67,8 @@ def reference(opts: Options) -> tuple[list[float], dict[str, torch.Tensor]]:
     params = list(model.parameters())
     # bf16: the same recipe as the parallel runs, fp32 main params stepped with the grads in fp32.
     mains = [torch.nn.Parameter(p.detach().float()) for p in params] if opts.bf16 else params
-    optimizer = make_optimizer(opts)(mains)
+    names = [name for name, _ in model.named_parameters()]
+    optimizer = make_optimizer(opts)(zip(names, mains, strict=True))
     corpus = Corpus.from_stdlib(opts.corpus_bytes)
     losses = []
     for step in range(opts.steps):

@@ -118,3 +118,17 @@ def test_hybrid_sharding_matches_single_process(outer: str, microbatches: int) -
     overrides = {"hsdp": 2, "hsdp_outer": outer, "microbatches": microbatches}
     opts = options("fsdp-optim_grads_params", overrides)
     check_against_reference(4, opts, LOSS_TOLERANCE, PARAM_TOLERANCE)
+
+
+MUON_STRATEGIES = ["ddp+distopt", "fsdp-optim", "fsdp-optim_grads", "fsdp-optim_grads_params"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("strategy", MUON_STRATEGIES)
+def test_muon_matches_single_process(strategy: str, world: int) -> None:
+    """train.py's --optimizer muon: whole matrices on one rank each (shard_alignment 'tensor'), Muon for
+    the hidden matrices and AdamW for embeddings and 1-D params, against the same optimizer in one process.
+    Adam's epsilon well above rounding noise: k's bias has a zero grad up to rounding, which Adam would
+    otherwise scale up to a full step in whichever direction the noise points."""
+    opts = options(strategy, {"optimizer": "muon", "lr": 0.01, "eps": 1e-4})
+    check_against_reference(world, opts, LOSS_TOLERANCE, PARAM_TOLERANCE)

@@ -137,3 +137,27 @@ def test_a_killed_rank_stops_the_job_with_an_error(tmp_path: Path) -> None:
     assert time.monotonic() - start < 150
     assert "rank      : 2" in result.stderr or "rank: 2" in result.stderr, result.stderr[-3000:]
     assert "Signal 9 (SIGKILL)" in result.stderr, result.stderr[-3000:]
+
+
+def test_muon_report_compares_the_loss_curve_with_adamw(tmp_path: Path) -> None:
+    """--optimizer muon trains the same model, data and steps with AdamW first and reports both."""
+    result = torchrun(
+        2, "--steps", "4", "--optimizer", "muon", "--strategy", "fsdp-optim_grads_params", "--out-dir",
+        str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = (tmp_path / "report.md").read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| fsdp-optim_grads_params")]
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "fsdp-optim_grads_params muon",
+        "fsdp-optim_grads_params adamw",
+    ]
+    first_losses, last_losses = ({row.split("|")[i].strip() for row in rows} for i in (3, 4))
+    assert len(first_losses) == 1  # the same model and data
+    assert len(last_losses) == 2  # different optimizers
+
+
+def test_muon_with_tensor_parallelism_is_refused(tmp_path: Path) -> None:
+    result = torchrun(2, "--steps", "1", "--optimizer", "muon", "--tp", "2", "--out-dir", str(tmp_path))
+    assert result.returncode != 0
+    assert "--optimizer muon orthogonalises whole matrices" in result.stderr

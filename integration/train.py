@@ -11,6 +11,7 @@ step (which, with the distributed optimizer, steps this rank's shard and all-gat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -32,7 +33,8 @@ from toygpt.pipeline import forward_backward, global_loss
 from toygpt.report import StepRecord, progress_line, records_to_json, write_report
 from toygpt.strategies import STRATEGIES, Hybrid, OptimizerFactory, wrap
 
-from gradsync.buffers import disable_telemetry, enable_telemetry, telemetry
+from gradsync.buffers import Muon, disable_telemetry, enable_telemetry, muon_param_groups, telemetry
+from gradsync.buffers.shard_alignment import ShardAlignmentSpec
 from gradsync.finalize import finalize_model_grads
 from gradsync.groups import (
     default_backend,
@@ -62,8 +64,10 @@ class Options:
     d_model: int = 128
     n_head: int = 4
     n_layer: int = 4
-    optimizer: str = "adamw"
+    optimizer: str = "adamw"  # sgd, adamw, or muon (whole matrices: each sharded strategy keeps them whole)
+    compare_with: str = "auto"  # also train with this optimizer and report both ("auto": adamw for muon)
     lr: float = 3e-3
+    eps: float = 1e-8  # Adam's epsilon (adamw, and muon's AdamW part)
     bucket_size: int | None = 40_000
     seed: int = 0
     eval_every: int = 50
@@ -87,23 +91,57 @@ class RunResult:
     report: Path | None = None
 
 
+OPTIMIZERS = ("sgd", "adamw", "muon")
+EMBEDDINGS = ("wte", "wpe", "output_weight")  # the toy GPT's embeddings and untied head: AdamW under Muon
+
+
 def make_optimizer(opts: Options) -> OptimizerFactory:
-    def build(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    def build(named: Iterable[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
         if opts.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=opts.lr, momentum=0.9)
+            return torch.optim.SGD([p for _, p in named], lr=opts.lr, momentum=0.9)
         if opts.optimizer == "adamw":
-            return torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.01)
-        raise ValueError(f"--optimizer must be sgd or adamw, got {opts.optimizer!r}")
+            return torch.optim.AdamW([p for _, p in named], lr=opts.lr, eps=opts.eps, weight_decay=0.01)
+        if opts.optimizer == "muon":  # Moonlight's recipe: AdamW's learning rate and decay carry over
+            groups = muon_param_groups(named, exclude=EMBEDDINGS)
+            return Muon(groups, lr=opts.lr, weight_decay=0.01, adamw_betas=(0.9, 0.999), adamw_eps=opts.eps)
+        raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {opts.optimizer!r}")
 
     return build
+
+
+def shard_alignment(opts: Options) -> ShardAlignmentSpec:
+    """Muon orthogonalises whole matrices: every matrix sits whole on one rank of the sharded strategies."""
+    if opts.optimizer != "muon":
+        return None
+    if opts.tp > 1:
+        raise ValueError(
+            "--optimizer muon orthogonalises whole matrices, and a gather of the TP shards of each matrix is "
+            "not built: use --tp 1 (nox -s train picks it for muon when --tp is not given)"
+        )
+    return lambda name, param: "tensor" if param.dim() >= 2 else None
+
+
+def comparison(opts: Options) -> str | None:
+    """The optimizer to train with as well, for the report (``--compare-with``)."""
+    choice = (
+        ("adamw" if opts.optimizer != "adamw" else "none")
+        if opts.compare_with == "auto"
+        else opts.compare_with
+    )
+    if choice in ("none", "", opts.optimizer):
+        return None
+    if choice not in OPTIMIZERS:
+        raise ValueError(f"--compare-with must be one of {', '.join(OPTIMIZERS)} or none, got {choice!r}")
+    return choice
 
 
 def param_dtype(opts: Options) -> torch.dtype:
     return torch.bfloat16 if opts.bf16 else torch.float32
 
 
-def run(opts: Options) -> RunResult:
-    """Train on the already initialised default process group; every rank calls this."""
+def run(opts: Options, baseline: dict[str, list[StepRecord]] | None = None) -> RunResult:
+    """Train on the already initialised default process group; every rank calls this. ``baseline``: runs
+    to put beside this one in the report (the same model and data with another optimizer)."""
     rank = dist.get_rank()
     groups = initialize_model_parallel(opts.tp, opts.pp, expert_model_parallel_size=opts.ep)
     device = device_for_group(groups.dp)
@@ -119,6 +157,7 @@ def run(opts: Options) -> RunResult:
         opts.bucket_size,
         bf16=opts.bf16,
         hsdp=Hybrid(opts.hsdp, opts.hsdp_outer),
+        shard_alignment=shard_alignment(opts),
     )
     model, optimizer = wrapped.model, wrapped.optimizer
     corpus = Corpus.from_stdlib(opts.corpus_bytes)
@@ -183,7 +222,7 @@ def run(opts: Options) -> RunResult:
     if opts.collect_params:
         result.full_params = gather_full_params(stage, groups, wrapped.current_params())
     if rank == 0 and opts.out_dir and result.records:
-        result.report = write_outputs(opts, result.records, cfg, corpus, dp_size, device)
+        result.report = write_outputs(opts, result.records, cfg, corpus, dp_size, device, baseline or {})
     destroy_process_groups(groups)
     return result
 
@@ -195,8 +234,10 @@ def write_outputs(
     corpus: Corpus,
     dp_size: int,
     device: torch.device,
+    baseline: dict[str, list[StepRecord]],
 ) -> Path:
-    """metrics.json and the report under --out-dir; returns the report's path."""
+    """metrics.json and the report under --out-dir (``baseline``'s runs beside this one); returns the
+    report's path."""
     out = Path(opts.out_dir or ".")
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(records_to_json(records), indent=1))
@@ -215,7 +256,10 @@ def write_outputs(
             f"[{TRACE_FILE}]({TRACE_FILE}): every rank's compute phases, collectives and exposed waits; "
             "open it in ui.perfetto.dev or chrome://tracing"
         )
-    return write_report(out, {opts.strategy: records}, facts)
+    label = opts.strategy if not baseline else f"{opts.strategy} {opts.optimizer}"
+    if baseline:
+        facts["compared with"] = ", ".join(baseline) + ": the same model, data and steps"
+    return write_report(out, {label: records, **baseline}, facts)
 
 
 def parse_args(argv: list[str]) -> Options:
@@ -229,6 +273,8 @@ def parse_args(argv: list[str]) -> Options:
             parser.add_argument(flag, action="store_true", default=value)
         elif name == "strategy":
             parser.add_argument(flag, choices=list(STRATEGIES), default=value)
+        elif name == "optimizer":
+            parser.add_argument(flag, choices=OPTIMIZERS, default=value)
         else:
             kind = int if name in ("bucket_size",) else type(value) if value is not None else str
             parser.add_argument(flag, type=kind, default=value)
@@ -242,7 +288,14 @@ def main(argv: list[str]) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=timedelta(seconds=opts.timeout_s))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    result = run(opts)
+    baseline: dict[str, list[StepRecord]] = {}
+    other = comparison(opts)
+    if other is not None:  # first, so this run's report can show both
+        if dist.get_rank() == 0:
+            print(f"baseline: the same run with --optimizer {other}", flush=True)
+        compared = run(dataclasses.replace(opts, optimizer=other, out_dir=None, save_every=0, trace=False))
+        baseline = {f"{opts.strategy} {other}": compared.records}
+    result = run(opts, baseline)
     if dist.get_rank() == 0 and result.report:
         print(f"report: {result.report.resolve()}", flush=True)
     dist.destroy_process_group()

@@ -16,13 +16,15 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.buffers.shard_alignment import ShardAlignmentSpec
 from gradsync.ddp import DistributedDataParallel, DistributedOptimizer
 from gradsync.fsdp import FSDPDistributedIndex, MegatronFSDP, MixedPrecisionPolicy, fully_shard_optimizer
 from gradsync.groups import ProcessGroupCollection
 
 from .model import Block
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[Iterable[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
+"""Builds the optimizer from the wrapped model's named params (names let Muon split off embeddings)."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,7 @@ def _wrap_ddp(
     bucket_size: int | None,
     bf16: bool,
     hsdp: Hybrid,
+    shard_alignment: ShardAlignmentSpec,
 ) -> Wrapped:
     """bf16 weights get Megatron's mixed-precision recipe: grads reduced in fp32, fp32 main params."""
     if hsdp.outer > 1:
@@ -162,8 +165,14 @@ def _wrap_ddp(
     ddp_config = DistributedDataParallelConfig(
         bucket_size=bucket_size, grad_reduce_in_fp32=bf16, **strategy.options
     )
-    model = DistributedDataParallel(stage.config, ddp_config, stage, pg_collection=groups)  # type: ignore[arg-type]
-    optimizer = make_optimizer(model.parameters())
+    model = DistributedDataParallel(
+        stage.config,  # type: ignore[arg-type]
+        ddp_config,
+        stage,
+        pg_collection=groups,
+        shard_alignment=shard_alignment,
+    )
+    optimizer = make_optimizer(model.named_parameters())
     sharded = ddp_config.use_distributed_optimizer
     if sharded or bf16:
         return Wrapped(model, DistributedOptimizer(optimizer, model), sharded_optimizer=sharded)
@@ -178,6 +187,7 @@ def _wrap_fsdp(
     bucket_size: int | None,
     bf16: bool,
     hsdp: Hybrid,
+    shard_alignment: ShardAlignmentSpec,
 ) -> Wrapped:
     """Each block an FSDP unit, sharded over the data-parallel group (or ``hsdp``'s shard group); bf16
     weights get fp32 main weights and fp32 main grads, as the DDP strategies' recipe. The optimizer's step
@@ -202,8 +212,9 @@ def _wrap_fsdp(
         config,
         fsdp_unit_modules=[Block],
         mixed_precision_policy=policy,
+        shard_alignment=shard_alignment,
     )
-    optimizer = fully_shard_optimizer(make_optimizer(model.parameters()))
+    optimizer = fully_shard_optimizer(make_optimizer(model.named_parameters()))
     return FSDPWrapped(
         model, optimizer, sharded_optimizer=strategy.options["data_parallel_sharding_strategy"] != "no_shard"
     )
@@ -221,8 +232,11 @@ def wrap(
     *,
     bf16: bool = False,
     hsdp: Hybrid = Hybrid(),
+    shard_alignment: ShardAlignmentSpec = None,
 ) -> Wrapped:
+    """``shard_alignment``: where the sharded strategies may cut each param (whole matrices for Muon)."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
     strategy = STRATEGIES[name]
-    return WRAPPERS[strategy.wrapper](strategy, stage, groups, make_optimizer, bucket_size, bf16, hsdp)
+    wrapper = WRAPPERS[strategy.wrapper]
+    return wrapper(strategy, stage, groups, make_optimizer, bucket_size, bf16, hsdp, shard_alignment)
