@@ -34,6 +34,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_map_only
 
 from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.buffers.shard_alignment import ShardAlignmentSpec
 from gradsync.groups import FSDPDistributedIndex
 
 from .bucket import FlatParamBucket
@@ -66,6 +67,7 @@ class _Call:
     mp_policy: MixedPrecisionPolicy
     ignored_params: frozenset[nn.Parameter]
     outer_dp_sharding_strategy: str
+    shard_alignment: ShardAlignmentSpec = None
 
     def shared(self) -> dict[str, object]:
         """What every call of one root must agree on: it shapes the buckets all units share."""
@@ -143,6 +145,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: Any = ...,
     outer_dp_sharding_strategy: str | int = ...,
+    shard_alignment: ShardAlignmentSpec = ...,
 ) -> FSDPModule: ...
 
 
@@ -158,6 +161,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: Any = ...,
     outer_dp_sharding_strategy: str | int = ...,
+    shard_alignment: ShardAlignmentSpec = ...,
 ) -> list[FSDPModule]: ...
 
 
@@ -172,12 +176,15 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
     outer_dp_sharding_strategy: str | int = "no_shard",
+    shard_alignment: ShardAlignmentSpec = None,
 ) -> FSDPModule | list[FSDPModule]:
     """torch 2.13's ``fully_shard`` signature, in place. A module holding no marked module becomes a
     unit; the module holding marked ones (called last, as torch requires) becomes the root and is sharded
     now. A list marks each module as its own unit. ``outer_dp_sharding_strategy`` (gradsync's, 2-D meshes
     only): ``"no_shard"`` replicates over the outer axis (torch's HSDP), ``"optim"`` also shards the
-    optimizer state over it (ZeRO-1 outside, ZeRO-3 inside)."""
+    optimizer state over it (ZeRO-1 outside, ZeRO-3 inside). ``shard_alignment`` (gradsync's, read from
+    the root call, names relative to the root): where shards may cut each param, as
+    :class:`MegatronFSDP`'s (``"chunk"`` gives torch's own ``Shard(0)`` shards)."""
     modules = module if isinstance(module, list) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError(
@@ -189,6 +196,7 @@ def fully_shard(
         mp_policy=_checked_mp_policy(mp_policy),
         ignored_params=frozenset(ignored_params or ()),
         outer_dp_sharding_strategy=_checked_outer(outer_dp_sharding_strategy, mesh),
+        shard_alignment=shard_alignment,
     )
     _refuse_offload(offload_policy)
     for target in modules:
@@ -459,6 +467,7 @@ def _megatron_fsdp(
                 fsdp_unit_modules=[FSDPModule] if units else None,
                 device=device,
                 sync_model_each_microbatch=True,
+                shard_alignment=call.shard_alignment,
             )
     except BaseException:
         with torch.no_grad():  # leave the caller's model as it was given
