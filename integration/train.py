@@ -143,7 +143,12 @@ def run(opts: Options, baseline: dict[str, list[StepRecord]] | None = None) -> R
     """Train on the already initialised default process group; every rank calls this. ``baseline``: runs
     to put beside this one in the report (the same model and data with another optimizer)."""
     rank = dist.get_rank()
-    groups = initialize_model_parallel(opts.tp, opts.pp, expert_model_parallel_size=opts.ep)
+    groups = initialize_model_parallel(
+        opts.tp,
+        opts.pp,
+        expert_model_parallel_size=opts.ep,
+        create_all_gather_groups=opts.strategy.startswith("fsdp"),  # gradsync-fsdp's gather lane
+    )
     device = device_for_group(groups.dp)
     cfg = GPTConfig(
         seq_len=opts.seq_len, d_model=opts.d_model, n_head=opts.n_head, n_layer=opts.n_layer, moe=opts.moe

@@ -132,8 +132,8 @@ class Hybrid:
     def index(self, groups: ProcessGroupCollection) -> FSDPDistributedIndex:
         """The shard (and outer) mesh over the data-parallel group."""
         assert groups.dp_cp is not None
-        if self.outer == 1:
-            return FSDPDistributedIndex.from_group(groups.dp_cp)
+        if self.outer == 1:  # param gathers on dp_cp_ag when the collection has it (the gather lane)
+            return FSDPDistributedIndex.from_group(groups.dp_cp, all_gather_group=groups.dp_cp_ag)
         dp, tp = groups.dp_cp.size(), groups.tp.size() if groups.tp is not None else 1
         if dp % self.outer:
             raise ValueError(f"--hsdp {self.outer} must divide the data-parallel size {dp}")

@@ -135,13 +135,21 @@ class FSDPDistributedIndex:
         )
 
     @classmethod
-    def from_group(cls, group: dist.ProcessGroup, *, device_type: str | None = None) -> FSDPDistributedIndex:
+    def from_group(
+        cls,
+        group: dist.ProcessGroup,
+        *,
+        device_type: str | None = None,
+        all_gather_group: dist.ProcessGroup | None = None,
+    ) -> FSDPDistributedIndex:
         """Index a one-dimensional shard mesh over an existing group, such as the data-parallel group of a
-        ProcessGroupCollection when FSDP runs beside tensor or pipeline parallelism."""
+        ProcessGroupCollection when FSDP runs beside tensor or pipeline parallelism. ``all_gather_group``:
+        a second group over the same ranks for param all-gathers (the collection's ``dp_cp_ag``), so they
+        do not queue behind grad reductions."""
         if device_type is None:
             device_type = get_backend_capabilities(group).device_type
         mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_shard",))
-        return cls(mesh, dp_shard_dim="dp_shard")
+        return cls(mesh, dp_shard_dim="dp_shard", fsdp_group_ag=all_gather_group)
 
     def _register(self, mesh: DeviceMesh, *, is_expert: bool, outer_only: bool) -> None:
         shard, outer, tp = self.dp_shard_dim, self.dp_outer_dim, self.tp_dim
