@@ -246,6 +246,14 @@ def bench_ab(session: nox.Session) -> None:
     session.run("python", str(ROOT / "benchmarks" / "bench_ab.py"), *session.posargs)
 
 
+@nox.session(name="bench-muon")
+def bench_muon(session: nox.Session) -> None:
+    """Benchmark (not a test): Muon against AdamW under ddp+distopt, ZeRO-1 and ZeRO-3, interleaved at two
+    batch sizes, with wire bytes (benchmarks/bench_muon.py)."""
+    install_local(session, "ddp", "fsdp", "finalize")
+    session.run("python", str(ROOT / "benchmarks" / "bench_muon.py"), *session.posargs)
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmark (not a test): gradsync's DDP and FSDP strategies vs torch DDP, torch FSDP2 and DeepSpeed

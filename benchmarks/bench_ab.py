@@ -76,7 +76,7 @@ def interleaved(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # one core per rank
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(seq_len=128, d_model=256, n_head=8, n_layer=6)
-    options = argparse.Namespace(bucket_mb=args.bucket_mb, lr=1e-3, batch_per_rank=8)
+    options = argparse.Namespace(bucket_mb=args.bucket_mb, lr=1e-3, batch_per_rank=args.batch_per_rank)
     steps = {}
     for system in args.systems:
         torch.manual_seed(0)
@@ -86,7 +86,8 @@ def interleaved(args: argparse.Namespace) -> None:
             steps[system] = with_telemetry(steps[system])
     corpus = Corpus.from_stdlib()
     warmup = 3
-    batches = [local_rows(corpus.batch(i, 8 * world, 128), rank, world) for i in range(warmup + args.steps)]
+    per_step = args.batch_per_rank * world
+    batches = [local_rows(corpus.batch(i, per_step, 128), rank, world) for i in range(warmup + args.steps)]
     times: dict[str, list[float]] = {system: [] for system in args.systems}
     for index, tokens in enumerate(batches):
         for system in args.systems:
@@ -113,6 +114,7 @@ def run_repeats(args: argparse.Namespace, bucket_mb: int) -> list[dict[str, floa
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"),
         *(__file__, "--worker", "--steps", str(args.steps), "--bucket-mb", str(bucket_mb)),
+        *("--batch-per-rank", str(args.batch_per_rank)),
         *("--systems", *args.systems),
     ]
     repeats = []
@@ -164,6 +166,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--bucket-mb", type=int, nargs="+", default=[4])
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--batch-per-rank", type=int, default=8, help="sequences of 128 bytes per rank")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS)
     parser.add_argument("--json", type=Path, help="write {bucket_mb: summary} here")
@@ -182,7 +185,8 @@ def main() -> None:
     for bucket_mb in args.bucket_mb:
         summaries[bucket_mb] = summary = summarise(run_repeats(args, bucket_mb))
         print(
-            f"\n{bucket_mb} MiB buckets, {args.nproc} ranks, {args.steps} interleaved steps, {args.repeats} "
+            f"\n{bucket_mb} MiB buckets, {args.nproc} ranks, {args.batch_per_rank} sequences per rank, "
+            f"{args.steps} interleaved steps, {args.repeats} "
             f"repeat(s) (gradsync-ddp {ddp_version}, gradsync-fsdp {fsdp_version}, commit {commit()})\n"
         )
         print("\n".join(table(summary)), flush=True)

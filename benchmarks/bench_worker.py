@@ -48,11 +48,35 @@ def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Step:
     return step
 
 
-def gradsync_step(strategy: str, model: nn.Module, lr: float, bucket_elements: int) -> Step:
-    from toygpt.strategies import wrap
+MUON = "+muon"
+"""A gradsync system name ending in this steps with Muon (whole matrices on one rank each), not AdamW."""
 
+
+def gradsync_step(system: str, model: nn.Module, lr: float, bucket_elements: int) -> Step:
+    from toygpt.strategies import wrap
+    from train import EMBEDDINGS
+
+    from gradsync.buffers import Muon, muon_param_groups
+
+    strategy = system.removesuffix(MUON)
     groups = initialize_model_parallel()
-    wrapped = wrap(strategy, model, groups, lambda p: torch.optim.AdamW(p, lr=lr), bucket_elements)
+    if strategy != system:  # as train.py --optimizer muon
+        wrapped = wrap(
+            strategy,
+            model,
+            groups,
+            lambda named: Muon(muon_param_groups(named, exclude=EMBEDDINGS), lr=lr, adamw_betas=(0.9, 0.999)),
+            bucket_elements,
+            shard_alignment=lambda name, param: "tensor" if param.dim() >= 2 else None,
+        )
+    else:
+        wrapped = wrap(
+            strategy,
+            model,
+            groups,
+            lambda named: torch.optim.AdamW([p for _, p in named], lr=lr),
+            bucket_elements,
+        )
 
     def step(tokens: torch.Tensor) -> float:
         wrapped.optimizer.zero_grad()
