@@ -87,3 +87,26 @@ def test_parts_of_params_are_refused_not_stepped(name: str, alignment: Any, mess
     tile for BlockShampoo: the main params say which param they are part of, so both refuse."""
     with pytest.raises(RankFailure, match=message):
         run_distributed(train, 2, args=(name, alignment, 1), reuse=False)
+
+
+def checkpoint_shampoo() -> str:
+    model = TinyGPT(0)
+    ddp = DistributedDataParallel(ModelParallelConfig(), DISTOPT, model, shard_alignment=POLICIES["shampoo"])
+    optimizer = DistributedOptimizer(make_optimizer("shampoo", list(ddp.named_parameters())), ddp)
+    ddp.zero_grad_buffer()
+    (batch,) = local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)
+    ddp(batch).backward()
+    ddp.finish_grad_sync()
+    optimizer.step()
+    try:
+        optimizer.sharded_state_dict()
+    except ValueError as error:
+        return str(error)
+    return "saved"
+
+
+def test_per_tile_state_is_refused_by_ddp_checkpoints() -> None:
+    """BlockShampoo's statistics are per tile of each rank's piece: gradsync-ddp's per-param checkpoint
+    entries cannot hold them, so every rank refuses before any collective (gradsync-fsdp's DCP can)."""
+    for message in run_distributed(checkpoint_shampoo, 2):
+        assert "cannot reshard it" in message

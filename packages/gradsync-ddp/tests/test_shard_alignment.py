@@ -91,3 +91,38 @@ def test_shard_balance_counts_every_param_and_the_padding() -> None:
     assert default[0] == tensor[0] == numel
     assert default[2] < tensor[2]  # cutting anywhere balances best
     assert default[1] < tensor[1]
+
+
+def resume_with_policy(alignment: Any, sharded: bool) -> bool:
+    """10 steps, a checkpoint (gathered or per-rank shards), 10 more, against 20 straight: the shaped
+    main params and their state must go through the checkpoint and come back in place."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    def steps(trainer: Trainer, span: range) -> None:
+        for step in span:
+            trainer.step(step, rank, world, 1)
+
+    straight = Trainer.build(DISTOPT, "adamw", shard_alignment=alignment)
+    steps(straight, range(20))
+    first = Trainer.build(DISTOPT, "adamw", shard_alignment=alignment)
+    steps(first, range(10))
+    model_state = {k: v.clone() for k, v in first.ddp.state_dict().items()}
+    resumed = Trainer.build(DISTOPT, "adamw", seed=1, shard_alignment=alignment)
+    resumed.ddp.load_state_dict(model_state)
+    if sharded:
+        shards: list[Any] = [None] * world
+        dist.all_gather_object(shards, first.optimizer.sharded_state_dict())
+        resumed.optimizer.load_sharded_state_dict(shards)
+    else:
+        saved = first.optimizer.state_dict()  # a collective: rank 0 holds the whole state
+        gathered: list[Any] = [saved if rank == 0 else None]
+        dist.broadcast_object_list(gathered, src=0)
+        resumed.optimizer.load_state_dict(gathered[0])
+    steps(resumed, range(10, 20))
+    return torch.equal(resumed.full_params(), straight.full_params())
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["gathered", "shards"])
+@pytest.mark.parametrize("alignment", ["tensor", MIXED], ids=["tensor", "mixed"])
+def test_checkpoints_resume_bit_exact(alignment: Any, sharded: bool) -> None:
+    assert run_distributed(resume_with_policy, 2, args=(alignment, sharded)) == [True, True]

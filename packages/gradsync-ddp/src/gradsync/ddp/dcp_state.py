@@ -25,7 +25,13 @@ from gradsync.buffers import is_expert_parallel
 from gradsync.buffers.checkpointing import describe_chunk, materialize_optimizer_state
 
 from .main_shards import ShardPiece
-from .optimizer_state import MAIN_PARAM_KEY, apply_hyperparams, hyperparams, is_elementwise
+from .optimizer_state import (
+    MAIN_PARAM_KEY,
+    apply_hyperparams,
+    hyperparams,
+    is_elementwise,
+    refuse_structured_state,
+)
 
 if TYPE_CHECKING:
     from .distributed_optimizer import DistributedOptimizer
@@ -47,6 +53,7 @@ def dcp_state(opt: DistributedOptimizer) -> dict[str, Any]:
     ``dcp.save`` / ``dcp.load``, with this rank's pieces (materialising the state if nothing has stepped)."""
     if not opt.optimizer.state:  # nothing stepped yet: give the load tensors to fill
         materialize_optimizer_state(opt.optimizer)
+    refuse_structured_state(opt)
     meshes: dict[dist.ProcessGroup, DeviceMesh] = {}
     state: dict[str, dict[str, Any]] = {}
     for piece in opt.pieces:

@@ -23,6 +23,22 @@ def is_elementwise(value: Any, numel: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
 
 
+def refuse_structured_state(opt: DistributedOptimizer) -> None:
+    """Checkpoints hold per-element state (shaped like its main param) and scalars; anything else (block
+    Shampoo's per-tile statistics, one set per rank's piece) has no place in a per-param entry and would
+    be merged wrongly, so it is refused before any collective. Every rank raises alike: the state's
+    kinds come from the optimizer's class, the same on every rank."""
+    for piece in opt.pieces:
+        for key, value in opt.optimizer.state.get(piece.main, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != piece.main.shape:
+                raise ValueError(
+                    f"DistributedOptimizer checkpoints: {type(opt.optimizer).__name__}'s state {key!r} of "
+                    f"{piece.name} has shape {tuple(value.shape)}, neither one value per element of its "
+                    f"main param {tuple(piece.main.shape)} nor a scalar; gradsync-ddp cannot reshard it. "
+                    "Checkpoint such optimizers under gradsync-fsdp with torch.distributed.checkpoint"
+                )
+
+
 def hyperparams(opt: DistributedOptimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
 
@@ -71,6 +87,7 @@ def _gather_bucket(
 def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
     """The state of each buffer's params on rank 0 of its group, streamed one bucket at a time, so no
     rank ever holds more than one bucket per key beyond what it saves. Tensors come back on the CPU."""
+    refuse_structured_state(opt)
     state: dict[str, dict[str, Any]] = {}
     for key, buffer in enumerate(opt.buffers):
         group = buffer.data_parallel_group
@@ -120,6 +137,7 @@ def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
 
 def shard_state(opt: DistributedOptimizer) -> dict[str, Any]:
     """This rank's pieces: for each, the full param's shape, the piece's range and its state."""
+    refuse_structured_state(opt)
     pieces = []
     for piece in opt.pieces:
         values = {MAIN_PARAM_KEY: piece.main.detach().clone()}
@@ -152,7 +170,7 @@ def merge_shards(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
             for key, value in piece["state"].items():
                 if is_elementwise(value, end - start):
                     full = entry.setdefault(key, torch.zeros(numel, dtype=value.dtype))
-                    full[start:end] = value
+                    full[start:end] = value.reshape(-1)  # shaped pieces (shard_alignment) too
                 else:
                     entry[key] = value
     for name, entry in state.items():
