@@ -71,7 +71,7 @@ def test_matrix_optimizers_train_like_one_process(name: str) -> None:
 
 
 def test_muon_refuses_flat_pieces() -> None:
-    with pytest.raises(RankFailure, match="flattened by gradsync-ddp's DistributedOptimizer"):
+    with pytest.raises(RankFailure, match="sharded with shard_alignment 'row', which may cut it"):
         run_distributed(train, 2, args=("muon", None, 1), reuse=False)
 
 
@@ -79,12 +79,12 @@ def test_muon_refuses_flat_pieces() -> None:
     ("name", "alignment", "message"),
     [
         ("muon", {"*.weight": "block:4x16", "*": "tensor"}, "shard_alignment='tensor'"),
-        ("shampoo", None, "is a flat piece"),
+        ("shampoo", None, "may cut its 4x8 tiles: shard it with shard_alignment='block:4x8'"),
     ],
 )
 def test_parts_of_params_are_refused_not_stepped(name: str, alignment: Any, message: str) -> None:
     """Whole rows of a matrix (a ``block`` policy) are not a matrix for Muon, and a flat piece is no
-    tile for BlockShampoo: the main params say which param they are part of, so both refuse."""
+    tile for BlockShampoo: both refuse the policy, on every rank, before any piece is built."""
     with pytest.raises(RankFailure, match=message):
         run_distributed(train, 2, args=(name, alignment, 1), reuse=False)
 

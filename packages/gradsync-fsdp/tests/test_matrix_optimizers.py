@@ -133,3 +133,22 @@ def test_checkpoints_reshard_across_dp_sizes(
 def test_muon_refuses_a_matrix_cut_into_rows() -> None:
     with pytest.raises(RankFailure, match=r"Muon: param \d+ of shape .* shard_alignment='tensor'"):
         run_distributed(train, 2, args=("muon", "optim_grads_params", None, 1), reuse=False)
+
+
+def refusal_on_every_rank() -> str:
+    """ZeRO-3 at 4 ranks with the default ``row`` policy: some ranks hold rows of a matrix, others none.
+    Every rank must refuse alike, from the policy (a check of the local part alone would let the ranks
+    holding nothing go on into the next gather and wait there for ranks that raised)."""
+    try:
+        model, optimizer = build("muon", "optim_grads_params", None)
+        (batch,) = local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)
+        model(batch).backward()
+        optimizer.step()
+    except ValueError as error:
+        return str(error)
+    return "stepped"
+
+
+def test_a_policy_that_cuts_matrices_is_refused_on_every_rank() -> None:
+    for message in run_distributed(refusal_on_every_rank, 4, timeout=60):
+        assert "sharded with shard_alignment 'row', which may cut it" in message

@@ -171,10 +171,14 @@ def shard_alignment_of(param: torch.Tensor) -> ShardAlignment:
 
 
 def set_shard_alignments(named_params: Iterable[tuple[str, torch.Tensor]], spec: ShardAlignmentSpec) -> None:
-    """Resolve ``spec`` and record each param's policy on it, where the layouts read it. With ``spec``
-    None, earlier records are kept (a param can only be laid out by the policy it was given)."""
+    """Resolve ``spec`` and record each param's policy on it, where the layouts (and matrix optimizers,
+    on every rank alike) read it. With ``spec`` None, earlier records are kept and the others get the
+    default, ``row``."""
     named = dict(named_params)
     if spec is None:
+        for param in named.values():
+            if not hasattr(param, SHARD_ALIGNMENT_ATTR):
+                setattr(param, SHARD_ALIGNMENT_ATTR, ROW)
         return
     for name, policy in resolve_shard_alignments(spec, named.items()).items():
         setattr(named[name], SHARD_ALIGNMENT_ATTR, policy)

@@ -24,6 +24,8 @@ from gradsync.buffers import (
     ParamSpec,
     compute_full_param_layout,
 )
+from gradsync.buffers.matrix_optim.local import LocalOptimizer
+from gradsync.buffers.shard_alignment import shard_alignment_of
 
 from .dcp_state import dcp_state, load_dcp_state
 from .distributed_data_parallel import DistributedDataParallel
@@ -41,6 +43,17 @@ def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -
     """
     accepted = inspect.signature(type(optimizer)).parameters
     return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+
+def _refuse_policies_it_cannot_step(optimizer: LocalOptimizer) -> None:
+    """A matrix optimizer (gradsync-buffers' Muon, BlockShampoo) checks every model param's
+    shard-alignment policy before any piece is built: every rank holds every model param, so every rank
+    refuses alike (a rank holding no piece of a cut matrix would otherwise go on into the gather)."""
+    index = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            optimizer.check_policy(index, param, shard_alignment_of(param), group)
+            index += 1
 
 
 class DistributedOptimizer(MegatronTrainingLoop, torch.optim.Optimizer):  # type: ignore[misc]
@@ -86,6 +99,8 @@ class DistributedOptimizer(MegatronTrainingLoop, torch.optim.Optimizer):  # type
         if missing:
             raise ValueError(f"the optimizer does not hold these trainable params: {sorted(missing)}")
 
+        if self.sharded and isinstance(optimizer, LocalOptimizer):
+            _refuse_policies_it_cannot_step(optimizer)
         self.shards = build_bucket_shards(self.buffers, self.sharded, self.param_names)
         self.pieces: list[ShardPiece] = [piece for shard in self.shards for piece in shard.pieces]
         pieces_by_group: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]

@@ -101,17 +101,19 @@ class _Root:
         zeroed) would be summed into the next step in torch; the buffers hold one cycle, so refuse."""
         if not self.fsdp._reductions.stepped:
             return
-        kept = [
-            name
-            for name, param in self.fsdp.named_parameters()
-            if param.grad is not None and bool(_local(param.grad).any())
-        ]
-        if kept:
+        named = [(n, _local(p.grad)) for n, p in self.fsdp.named_parameters() if p.grad is not None]
+        norms = torch._foreach_norm([grad for _, grad in named]) if named else []
+        # one all-reduced flag: every rank refuses alike (a rank whose shards are all empty would
+        # otherwise go on into the forward's gathers), and one host read per step, not one per param
+        kept = torch.stack(list(norms)).sum() if norms else torch.zeros((), device=self.fsdp.device)
+        dist.all_reduce(kept, op=dist.ReduceOp.MAX, group=self.fsdp.dist_index.get_dp_group())
+        if float(kept) > 0:
+            first = next((n for (n, _), norm in zip(named, norms, strict=True) if float(norm) > 0), "?")
             raise RuntimeError(
-                f"fully_shard: a forward after optimizer.step() found {len(kept)} grads still set (first "
-                f"{kept[0].removeprefix('module.')!r}): gradsync's grad buffers hold one accumulation "
-                "cycle, so grads cannot carry over to the next step; call optimizer.zero_grad() after "
-                "optimizer.step()"
+                "fully_shard: a forward after optimizer.step() found grads still set (first "
+                f"{first.removeprefix('module.')!r} here, or on another rank): gradsync's grad buffers hold "
+                "one accumulation cycle, so grads cannot carry over to the next step; call "
+                "optimizer.zero_grad() after optimizer.step()"
             )
         self.fsdp.zero_grad_buffer()
 

@@ -14,6 +14,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
+from gradsync.buffers.shard_alignment import SHARD_ALIGNMENT_ATTR
+
 from .bucket import FlatParamBucket
 from .dcp import FIRST_ROW, describe_shard
 
@@ -28,6 +30,7 @@ CARRIED_ATTRIBUTES = (
     "is_embedding_parameter",
     "shared_embedding",
     "average_gradients_across_tp_domain",
+    SHARD_ALIGNMENT_ATTR,  # matrix optimizers refuse, on every rank alike, a policy that may cut a matrix
 )
 
 

@@ -23,7 +23,15 @@ from typing import Any, overload
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ..shard_alignment import SHARD_ALIGNMENT_ATTR, ShardAlignment
+
+
+def _sharded(param: torch.Tensor) -> bool:
+    """A DTensor cut along some mesh dimension of more than one rank."""
+    if not isinstance(param, DTensor):
+        return False
+    return any(p.is_shard() and param.device_mesh.size(dim) > 1 for dim, p in enumerate(param.placements))
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -73,6 +81,9 @@ def local_offsets(param: torch.Tensor) -> tuple[int, ...]:
     described = getattr(local, "__create_chunk_list__", None)
     if described is not None:
         return tuple(int(o) for o in described()[0].offsets)
+    # torch's private helper, imported only here: importing gradsync.buffers must not depend on it
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     shape, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     if tuple(shape) != tuple(local.shape):
         raise ValueError(
@@ -133,6 +144,7 @@ class LocalOptimizer(torch.optim.Optimizer):
     ) -> None:
         self._dtensor_of_local: dict[int, DTensor] = {}
         """Every DTensor param by the id of its local tensor, which a wrapper may lend in its place."""
+        self._policies_checked: set[int] = set()
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -142,6 +154,7 @@ class LocalOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # torch pickles only defaults, state and param_groups
         self._dtensor_of_local = {}
+        self._policies_checked = set()
         self._remember_dtensors([p for g in self.param_groups for p in g["params"]])
 
     def _remember_dtensors(self, params: Iterable[torch.Tensor]) -> None:
@@ -189,6 +202,7 @@ class LocalOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.check_policies()
         indices = {param: index for index, param in self.indexed_params()}
         for group in self.param_groups:
             for piece in self.pieces(group, indices):
@@ -197,6 +211,27 @@ class LocalOptimizer(torch.optim.Optimizer):
 
     def step_piece(self, piece: LocalPiece, group: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def check_policy(
+        self, index: int, param: torch.Tensor, policy: ShardAlignment, group: dict[str, Any]
+    ) -> None:
+        """Refuse a param whose shard-alignment ``policy`` can cut it where this optimizer cannot step a
+        part. Decided from the policy alone, which every rank knows for every param, so every rank raises
+        alike before any collective (a check of the local part would stop only the ranks holding one)."""
+
+    def check_policies(self) -> None:
+        """:meth:`check_policy` for every param sharded by a gradsync wrapper (a DTensor with a Shard
+        placement that carries its policy), once per param."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                layout = self.layout_of(param)
+                if id(layout) in self._policies_checked or not _sharded(layout):
+                    continue
+                policy = getattr(layout, SHARD_ALIGNMENT_ATTR, None)
+                if isinstance(policy, ShardAlignment):
+                    index = next(i for i, p in self.indexed_params() if p is param)
+                    self.check_policy(index, layout, policy, group)
+                self._policies_checked.add(id(layout))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's, but fp32 state stays fp32: torch casts loaded state to each param's dtype, which

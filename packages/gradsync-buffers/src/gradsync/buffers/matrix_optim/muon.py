@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..shard_alignment import ShardAlignment
 from .local import LocalOptimizer, LocalPiece, apply_update, local_tensor, zeros_like_param
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -134,13 +135,25 @@ class Muon(LocalOptimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As torch's, refusing at once a Muon param that is not a matrix or not whole on this rank."""
+        """As torch's, refusing at once a Muon param whose gradsync shard-alignment policy may cut it (every
+        rank alike), then one that is not a matrix or not whole on this rank."""
         first = sum(len(g["params"]) for g in self.param_groups)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        self.check_policies()
         if group["use_muon"]:
             for offset, param in enumerate(group["params"]):
-                _check_muon_param(first + offset, param, local_tensor(param))
+                _check_muon_param(first + offset, self.layout_of(param), local_tensor(param))
+
+    def check_policy(
+        self, index: int, param: torch.Tensor, policy: ShardAlignment, group: dict[str, Any]
+    ) -> None:
+        if group["use_muon"] and param.dim() >= 2 and not policy.whole:
+            raise ValueError(
+                f"Muon: param {index} of shape {tuple(param.shape)} is sharded with shard_alignment "
+                f"'{policy}', which may cut it, and Muon orthogonalises whole matrices without "
+                "communicating: shard it with shard_alignment='tensor', or put it in a use_muon=False group"
+            )
 
     def step_piece(self, piece: LocalPiece, group: dict[str, Any]) -> None:
         if group["use_muon"]:

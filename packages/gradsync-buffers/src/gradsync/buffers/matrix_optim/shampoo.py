@@ -33,6 +33,7 @@ import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from ..checkpointing import describe_chunk
+from ..shard_alignment import ShardAlignment, row_size
 from .local import LocalOptimizer, LocalPiece, apply_update, local_offsets, local_tensor, zeros_like_param
 
 Grafting = Literal["adam", "none"]
@@ -148,6 +149,23 @@ class BlockShampoo(LocalOptimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         group["block_size"] = block_shape(group["block_size"])
+
+    def check_policy(
+        self, index: int, param: torch.Tensor, policy: ShardAlignment, group: dict[str, Any]
+    ) -> None:
+        r, c = group["block_size"]
+        tile = r * row_size(param.shape) if param.dim() >= 2 else c  # elements of one row of tiles
+        if (
+            policy.whole
+            or param.dim() == 0
+            or (policy.kind == "block" and policy.flat_multiple(param.shape) % tile == 0)
+        ):
+            return
+        raise ValueError(
+            f"BlockShampoo: param {index} of shape {tuple(param.shape)} is sharded with shard_alignment "
+            f"'{policy}', which may cut its {r}x{c} tiles: shard it with shard_alignment='block:{r}x{c}' "
+            "(or 'tensor')"
+        )
 
     def step_piece(self, piece: LocalPiece, group: dict[str, Any]) -> None:
         param, layout, local = piece.param, piece.layout, piece.local
