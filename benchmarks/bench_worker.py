@@ -60,7 +60,7 @@ def gradsync_step(system: str, model: nn.Module, lr: float, bucket_elements: int
 
     strategy = system.removesuffix(MUON)
     groups = initialize_model_parallel()
-    if strategy != system:  # as train.py --optimizer muon
+    if strategy != system:  # train.py --optimizer muon's layout, Muon's defaults otherwise
         wrapped = wrap(
             strategy,
             model,

@@ -65,7 +65,7 @@ class Options:
     n_head: int = 4
     n_layer: int = 4
     optimizer: str = "adamw"  # sgd, adamw, or muon (whole matrices: each sharded strategy keeps them whole)
-    compare_with: str = "auto"  # also train with this optimizer and report both ("auto": adamw for muon)
+    compare_with: str = "auto"  # also train with this optimizer and report both ("auto": adamw for muon only)
     lr: float = 3e-3
     eps: float = 1e-8  # Adam's epsilon (adamw, and muon's AdamW part)
     bucket_size: int | None = 40_000
@@ -124,7 +124,7 @@ def shard_alignment(opts: Options) -> ShardAlignmentSpec:
 def comparison(opts: Options) -> str | None:
     """The optimizer to train with as well, for the report (``--compare-with``)."""
     choice = (
-        ("adamw" if opts.optimizer != "adamw" else "none")
+        ("adamw" if opts.optimizer == "muon" else "none")
         if opts.compare_with == "auto"
         else opts.compare_with
     )
@@ -293,6 +293,7 @@ def main(argv: list[str]) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=timedelta(seconds=opts.timeout_s))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    shard_alignment(opts)  # refuse a layout Muon cannot run on before anything trains
     baseline: dict[str, list[StepRecord]] = {}
     other = comparison(opts)
     if other is not None:  # first, so this run's report can show both

@@ -13,6 +13,8 @@ import torch.distributed as dist
 from ddp_testkit import TinyGPT, Trainer, max_relative_difference, reference_training
 
 from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.ddp import DistributedDataParallel, DistributedOptimizer
+from gradsync.groups import ModelParallelConfig
 from gradsync.groups.testing import run_distributed
 
 DISTOPT = DistributedDataParallelConfig(
@@ -57,9 +59,11 @@ def test_block_pieces_are_whole_block_rows_and_tile_each_param() -> None:
                 assert lo % 8 == 0, (name, lo)
             if name.startswith("attention.") and name.endswith("weight"):
                 assert shape == param_shape, name
+    shapes = {name: param_shape for owned in results for name, _, _, param_shape in owned}
     for name, ranges in covered.items():
         ranges.sort()
         assert ranges[0][0] == 0, name
+        assert ranges[-1][1] == torch.Size(shapes[name]).numel(), name
         assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), (name, ranges)
 
 
@@ -126,3 +130,22 @@ def resume_with_policy(alignment: Any, sharded: bool) -> bool:
 @pytest.mark.parametrize("alignment", ["tensor", MIXED], ids=["tensor", "mixed"])
 def test_checkpoints_resume_bit_exact(alignment: Any, sharded: bool) -> None:
     assert run_distributed(resume_with_policy, 2, args=(alignment, sharded)) == [True, True]
+
+
+def layout_and_policy() -> str:
+    model = TinyGPT()
+    layout = DistributedOptimizer.compute_full_param_layout(
+        [p for p in model.parameters()], 600, dist.get_world_size(), DISTOPT
+    )
+    try:
+        DistributedDataParallel(
+            ModelParallelConfig(), DISTOPT, model, full_param_layout=layout, shard_alignment="tensor"
+        )
+    except ValueError as error:
+        return str(error)
+    return "built"
+
+
+def test_a_precomputed_layout_with_a_policy_is_refused() -> None:
+    for message in run_distributed(layout_and_policy, 2):
+        assert "full_param_layout was computed before shard_alignment" in message

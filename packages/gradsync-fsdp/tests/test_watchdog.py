@@ -85,6 +85,5 @@ def healthy_steps(strategy: str) -> tuple[str, float]:
 
 def test_healthy_steps_raise_nothing() -> None:
     for strategy in ("optim", "optim_grads", "optim_grads_params"):
-        for report, seconds in run_distributed(healthy_steps, 2, args=(strategy,), reuse=False, timeout=90):
+        for report, _ in run_distributed(healthy_steps, 2, args=(strategy,), reuse=False, timeout=90):
             assert report == "", report
-            assert seconds < 1.0, seconds  # no wait ran into the threshold

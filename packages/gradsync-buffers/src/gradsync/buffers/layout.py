@@ -129,7 +129,8 @@ class PerBufferParamLayout:
         return self.bucket_indices[-1][1] if self.bucket_indices else 0
 
     def bucket_params(self, bucket_id: int) -> list[int]:
-        """Params of a bucket in layout order (reverse registration order). The split into buckets is
+        """Params of a bucket in layout order (reverse registration order, unless a shard-alignment
+        policy re-packed the bucket: then by offset). The split into buckets is
         computed once, in O(P log P), on first use: a layout is not changed once built."""
         if self._by_bucket is None:
             by_bucket: list[list[int]] = [[] for _ in self.bucket_indices]

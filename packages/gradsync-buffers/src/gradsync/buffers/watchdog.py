@@ -4,11 +4,11 @@ bucket groups and params those ranks are missing, instead of hanging silently.
 Off by default. :func:`start_hang_watchdog` (a collective: every rank calls it, after wrapping) creates a
 side gloo group with a short timeout and a thread on each rank that, every ``threshold / 4`` seconds,
 all-gathers every rank's progress over it: per process group, how many collectives the rank has launched
-through :mod:`gradsync.buffers.collectives` (a group is known by its ranks and its ``group_desc``, the same
-on all of them, so two groups over the same ranks, such as FSDP's shard group and its gather lane, are
-counted apart); the collective its main thread is waiting in, if any; what its wrappers still wait for
-(bucket groups whose grads have not all arrived, by param name, or whose reduction has not been started).
-While the watchdog runs, ``wait()`` polls its works instead of blocking in them; once one has waited
+through :mod:`gradsync.buffers.collectives` (a group is known by its ranks and its ``group_name``, unique
+and the same on all of them, so two groups over the same ranks, such as FSDP's shard group and its gather
+lane, are counted apart); the collective its main thread is waiting in, if any; what its wrappers still
+wait for (bucket groups whose grads have not all arrived, by param name, or whose reduction has not been
+started). While the watchdog runs, ``wait()`` polls its works instead of blocking in them; once one has waited
 ``threshold`` seconds, the rank compares its own sequence number in that process group with the others'
 and raises :class:`CollectiveHangError` naming the ranks that have not launched the collective (from the
 last round they answered) and what they are missing. The error is published in the next round, and every
@@ -45,7 +45,7 @@ from gradsync.groups import get_backend_capabilities
 _MAX_NAMES = 8  # params named per bucket group in a message
 
 GroupKey = tuple[tuple[int, ...], str]
-"""A process group as each of its ranks names it: its global ranks and its ``group_desc``."""
+"""A process group as each of its ranks names it: its global ranks and its ``group_name``."""
 
 
 def _waited_in_thread(work: Any) -> Any:
@@ -146,7 +146,7 @@ class HangWatchdog:
         whether its wait is stream-ordered and so tracked by the heartbeat thread)."""
         key = self._keys.get(group)
         if key is None:
-            key = self._keys[group] = (tuple(dist.get_process_group_ranks(group)), group.group_desc)
+            key = self._keys[group] = (tuple(dist.get_process_group_ranks(group)), group.group_name)
         tracked = self.stream_ordered
         if tracked is None:
             tracked = get_backend_capabilities(group, device).stream_ordered_wait
@@ -306,7 +306,7 @@ def _describe(rank: int, progress: Progress) -> list[str]:
 
 
 def _name(group: GroupKey) -> str:
-    """``group`` for a message: its ranks, and its description when it has one."""
+    """``group`` for a message: its ranks, and its process-group name."""
     ranks, desc = group
     return f"ranks {list(ranks)}" + (f" (group {desc!r})" if desc and desc != "undefined" else "")
 

@@ -120,6 +120,12 @@ class DistributedDataParallel(_BaseDataParallel):
         dp_cp = self.pg_collection.dp_cp
         assert dp_cp is not None
         check_params_match_across_ranks(named, dp_cp, self.pg_collection.expt_dp)
+        if full_param_layout is not None and shard_alignment is not None:
+            raise ValueError(
+                "DistributedDataParallel: full_param_layout was computed before shard_alignment could "
+                "shape it; pass one or the other (DistributedOptimizer.compute_full_param_layout reads the "
+                "policies recorded on the params)"
+            )
         set_shard_alignments(named, shard_alignment)
         chunked = [name for name, param in named if shard_alignment_of(param).alone]
         if chunked:
