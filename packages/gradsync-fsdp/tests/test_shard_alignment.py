@@ -159,18 +159,43 @@ def _train_with_config(alignment: Any, outer: int, config: dict[str, str]) -> di
     return full_weights(trainer.model)
 
 
-def _balance(alignment: Any) -> tuple[int, int, float]:
+def _balance(alignment: Any) -> tuple[int, int, float, int]:
     trainer = Trainer.build("optim_grads_params", shard_alignment=alignment)
     balance = trainer.model.shard_balance()
-    return balance.numel, balance.padding, balance.imbalance
+    held = sum(p.to_local().numel() for p in trainer.model.parameters())
+    return balance.numel, balance.padding, balance.imbalance, held
 
 
-def test_the_wrapper_reports_padding_and_imbalance() -> None:
-    """Counted against the module's own params; whole params balance worse than row cuts on this model
-    (one 24 x 12 embedding against 12-wide biases) and need more padding."""
-    row = run_distributed(_balance, 4, args=(None,))[0]
-    tensor = run_distributed(_balance, 4, args=("tensor",))[0]
+@pytest.mark.parametrize("alignment", [None, "tensor"])
+def test_the_wrapper_reports_padding_and_imbalance(alignment: Any) -> None:
+    """Counted against the module's own params and against what each rank's DTensors hold."""
+    results = run_distributed(_balance, 4, args=(alignment,))
     numel = sum(p.numel() for p in TinyTransformer().parameters())
-    assert row[0] == tensor[0] == numel
-    assert row[2] < tensor[2]
-    assert row[1] < tensor[1]
+    held = [r[3] for r in results]
+    for total, padding, imbalance, _ in results:
+        assert total == sum(held) == numel
+        assert imbalance == pytest.approx(max(held) / (sum(held) / len(held)))
+        assert padding > 0  # odd widths: 37-row matrices, 12-wide rows
+    if alignment == "tensor":
+        assert results[0][1] > run_distributed(_balance, 4, args=(None,))[0][1]  # whole params pad more
+
+
+def test_buckets_of_one_shape_spread_their_largest_params() -> None:
+    """Ties start at ``first_rank`` (the unit's index): rank 0 would otherwise take the largest matrix of
+    every unit, and with it most of a matrix optimizer's work."""
+    shapes = [torch.Size([40, 12]), torch.Size([12]), torch.Size([24, 12])]
+    tensor = [parse_shard_alignment("tensor")] * 3
+    for first in range(4):
+        layout = compute_bucket_layout(shapes, 4, tensor, first_rank=first)
+        assert layout.local_rows(0, first) == (0, 40), first
+
+
+def largest_owners() -> list[bool]:
+    trainer = Trainer.build("optim_grads_params", shard_alignment="tensor")  # equal tails: ties
+    return [p.to_local().numel() > 0 for n, p in trainer.model.named_parameters() if n.endswith("up.weight")]
+
+
+def test_units_give_their_largest_params_to_different_ranks() -> None:
+    owned = run_distributed(largest_owners, 2)
+    assert owned[0] != owned[1]  # each rank holds one unit's up.weight
+    assert owned[0][0] != owned[0][1]

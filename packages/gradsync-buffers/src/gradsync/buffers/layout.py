@@ -231,6 +231,7 @@ def compute_param_layout(
                 data_parallel_world_size,
                 start_multiple=PARAM_START_ALIGNMENT,
                 shard_quantum=quantum,
+                first_rank=len(layout.bucket_indices),
             )
             bucket_id = len(layout.bucket_indices)
             for i, offset in zip(open_params, packed.offsets, strict=True):

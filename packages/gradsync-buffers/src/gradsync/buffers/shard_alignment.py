@@ -201,6 +201,7 @@ def pack_shards(
     *,
     start_multiple: int = 1,
     shard_quantum: int = 1,
+    first_rank: int = 0,
 ) -> PackedShards:
     """Lay out one bucket of ``world`` equal shards so that every cut falls where its param allows.
 
@@ -208,7 +209,10 @@ def pack_shards(
     ``lcm(start_multiple, cut_multiple)``, and the shard size is a multiple of every cut multiple (and of
     ``shard_quantum``): so each shard boundary is a legal cut for each of them. Whole params are then
     placed, largest first, in the shard with the most room left, each inside one shard: the bytes each
-    rank owns are balanced greedily. The shard size grows until everything fits.
+    rank owns are balanced greedily. Ties go to the first rank with that room counting from
+    ``first_rank``: rotating it from bucket to bucket (callers pass the bucket's index) keeps buckets of
+    the same shape from all giving their largest param to rank 0. The shard size grows until everything
+    fits.
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
@@ -225,7 +229,7 @@ def pack_shards(
     largest = max((numels[i] for i in whole_order), default=0)
     shard = _round_up(max(-(-(end + sum(numels[i] for i in whole_order)) // world), largest, 1), factor)
     while True:
-        placed = _place_whole(numels, whole_order, end, shard, world, start_multiple)
+        placed = _place_whole(numels, whole_order, end, shard, world, start_multiple, first_rank)
         if placed is not None:
             for i, offset in placed.items():
                 offsets[i] = offset
@@ -234,7 +238,13 @@ def pack_shards(
 
 
 def _place_whole(
-    numels: Sequence[int], order: Sequence[int], flowing_end: int, shard: int, world: int, start_multiple: int
+    numels: Sequence[int],
+    order: Sequence[int],
+    flowing_end: int,
+    shard: int,
+    world: int,
+    start_multiple: int,
+    first_rank: int,
 ) -> dict[int, int] | None:
     """Worst-fit placement of whole params into the free tails of ``world`` shards; None if one does not
     fit."""
@@ -242,7 +252,7 @@ def _place_whole(
     placed = {}
     for i in order:
         best, room = -1, -1
-        for rank in range(world):
+        for rank in ((first_rank + k) % world for k in range(world)):
             start = _round_up(free[rank], start_multiple)
             left = (rank + 1) * shard - start
             if left >= numels[i] and left > room:

@@ -85,7 +85,10 @@ def bucket_layout(
                 "outer) order); use 'row', 'tensor' or 'block' for it"
             )
     return compute_bucket_layout(
-        [p.shape for p in spec.params], world, [shard_alignment_of(p) for p in spec.params]
+        [p.shape for p in spec.params],
+        world,
+        [shard_alignment_of(p) for p in spec.params],
+        first_rank=spec.unit_id or 0,  # units of one shape spread their largest params over the ranks
     )
 
 

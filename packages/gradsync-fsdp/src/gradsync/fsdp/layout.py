@@ -90,11 +90,15 @@ class BucketLayout:
 
 
 def compute_bucket_layout(
-    shapes: Sequence[torch.Size], world: int, policies: Sequence[ShardAlignment] | None = None
+    shapes: Sequence[torch.Size],
+    world: int,
+    policies: Sequence[ShardAlignment] | None = None,
+    first_rank: int = 0,
 ) -> BucketLayout:
     """Place ``shapes`` in ``world`` equal shards: cut params start at a multiple of their row (or
     block-row) size, the shard size is a multiple of all of those, and ``tensor`` params sit whole in the
-    shard with the most room. A single shard needs no alignment and no padding."""
+    shard with the most room (ties from ``first_rank`` on, see :func:`pack_shards`). A single shard needs
+    no alignment and no padding."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     policies = list(policies) if policies is not None else [ROW] * len(shapes)
@@ -113,6 +117,7 @@ def compute_bucket_layout(
         ],
         [policy.whole and world > 1 for policy in policies],
         world,
+        first_rank=first_rank,
     )
     items = tuple(ItemPlacement(offset, shape) for offset, shape in zip(packed.offsets, sizes, strict=True))
     return BucketLayout(items, packed.shard_size * world, world)
