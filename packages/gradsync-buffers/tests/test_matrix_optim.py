@@ -547,3 +547,21 @@ def test_block_shampoo_state_reshards_through_dcp_on_tile_boundaries(tmp_path: A
     for results in run_distributed(reshard_through_dcp, 2, args=(str(tmp_path),)):
         for local, expected in results:
             torch.testing.assert_close(local, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_a_part_marked_with_its_origin_is_checked_as_that_param() -> None:
+    """gradsync-ddp's main params are plain tensors; the origin they carry (the whole param's shape and
+    where the part starts) lets a matrix optimizer see a row piece for what it is."""
+    from gradsync.buffers.matrix_optim import mark_param_origin
+
+    rows = torch.nn.Parameter(torch.randn(4, 6))  # rows 4..7 of an 8 x 6 matrix
+    rows.grad = torch.randn(4, 6)
+    whole = torch.nn.Parameter(torch.randn(4, 6))
+    whole.grad = torch.randn(4, 6)
+    mark_param_origin(rows, torch.Size([8, 6]), (4, 0))
+    mark_param_origin(whole, torch.Size([4, 6]), (0, 0))
+    with pytest.raises(ValueError, match=r"is cut on this rank \(local shape \(4, 6\)\)"):
+        Muon([rows]).step()
+    Muon([whole]).step()  # a part that is the whole param steps
+    with pytest.raises(ValueError, match="cut on this rank, which holds its rows 4 to 7, through its 3x6"):
+        BlockShampoo([rows], block_size=(3, 6)).step()
