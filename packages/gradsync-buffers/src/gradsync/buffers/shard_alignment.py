@@ -5,8 +5,8 @@ whole matrix, block-diagonal Shampoo preconditions whole ``r x c`` tiles, and bl
 (MXFP8 scales over 32 elements, fp8 128 x 128 tiles) needs shards that never split a block. A policy says
 which cuts are allowed:
 
-- ``row``: between dim-0 rows (gradsync-fsdp's default; gradsync-ddp's distributed optimizer cuts
-  anywhere by default, as the reference);
+- ``row`` (the default): between dim-0 rows in gradsync-fsdp (its shards are dim-0 DTensors); anywhere in
+  gradsync-ddp's distributed optimizer, whose shards are flat ranges, as the reference's;
 - ``chunk`` (gradsync-fsdp only): torch's own ``Shard(0)`` rule, ``torch.chunk`` of the rows over the
   ranks, so torch's DTensor ops (``full_tensor()``, ``redistribute()``, DCP) work natively on the shard;
   the param gets a bucket (one collective) of its own, as that rule cannot share a flat shard;
