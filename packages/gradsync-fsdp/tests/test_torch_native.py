@@ -23,6 +23,7 @@ from fsdp_testkit import (
     max_relative_difference,
     wrap,
 )
+from test_dcp import train  # the same DP-size-independent global batches
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from gradsync.buffers.shard_alignment import CHUNK
@@ -109,26 +110,13 @@ def test_chunk_shards_follow_torch_shard_rule(strategy: str, world: int) -> None
             assert out["chunked"][name], (rank, name)
 
 
-def _train(model: Any, optimizer: torch.optim.Optimizer, steps: range) -> None:
-    world = dist.get_world_size()
-    micro = 4 // world
-    for step in steps:
-        batches = local_microbatches(step, dist.get_rank(), world, micro)
-        for batch in batches[:-1]:
-            with model.no_sync():
-                (model(batch) / micro).backward()
-        (model(batches[-1]) / micro).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-
 def save_plainly(alignment: Any, directory: str) -> dict[str, torch.Tensor]:
     """DCP straight from the state dicts, as an FSDP2 user writes it; then two more steps."""
     model = wrap("optim_grads_params", shard_alignment=alignment)
     optimizer = fully_shard_optimizer(make_optimizer(model.parameters()))
-    _train(model, optimizer, range(3))
+    train(model, optimizer, range(3))
     dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=directory)
-    _train(model, optimizer, range(3, 5))
+    train(model, optimizer, range(3, 5))
     return full_weights(model)
 
 
@@ -139,7 +127,7 @@ def load_plainly(alignment: Any, directory: str) -> dict[str, torch.Tensor]:
     dcp.load(state, checkpoint_id=directory)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optim"])
-    _train(model, optimizer, range(3, 5))
+    train(model, optimizer, range(3, 5))
     return full_weights(model)
 
 
