@@ -1,8 +1,9 @@
 """torch's own DTensor ops on gradsync's shards, each against the same op on the whole tensors of one
 process: ``clip_grad_norm_`` for every strategy and shard-alignment policy (every rank holds a grad, empty
-where it owns no rows, so torch's collectives line up); ``full_tensor()``, ``redistribute()``,
-``distribute_tensor``'s own chunking and DCP with the ``chunk`` policy, whose shards follow torch's
-``Shard(0)`` rule; and the refusals where that rule cannot hold."""
+where it owns no rows, so torch's collectives line up); ``full_tensor()``, ``redistribute()`` and torch's
+own scatter for every policy (``chunk`` shards follow torch's ``Shard(0)`` rule, the others are
+``RaggedDTensor``s); plain DCP across policies and sizes; and the refusals where the chunk rule cannot
+hold."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from gradsync.buffers.shard_alignment import CHUNK
 from gradsync.fsdp import compute_bucket_layout, fully_shard_optimizer, uneven_dtensor_to_full_tensor
+from gradsync.fsdp.ragged import RaggedDTensor, reshard
 from gradsync.groups.testing import run_distributed
 
 MAX_NORM = 0.05  # below the grads' norm, so clipping scales them
@@ -72,42 +74,67 @@ def test_clip_grad_norm_equals_one_process(strategy: str, policy: str) -> None:
         assert max_relative_difference(grads, want_grads) <= 1e-6, rank
 
 
-def native_ops(strategy: str) -> dict[str, Any]:
-    """After two steps with the ``chunk`` policy: torch's own ops on every param, and the whole
-    weights gathered gradsync's way to compare them with."""
-    model = wrap(strategy, shard_alignment="chunk")
+def native_ops(strategy: str, alignment: Any, outer: int) -> dict[str, Any]:
+    """After two steps: torch's own ops on every param, and the whole weights gathered gradsync's way to
+    compare them with."""
+    config = {"outer_dp_sharding_strategy": "no_shard"} if outer > 1 else {}
+    model = wrap(strategy, shard_alignment=alignment, outer=outer, **config)
     optimizer = fully_shard_optimizer(make_optimizer(model.parameters()))
     for step in range(2):
         model(local_microbatches(step, dist.get_rank(), dist.get_world_size(), 1)[0]).backward()
         optimizer.step()
         optimizer.zero_grad()
-    out: dict[str, Any] = {"whole": full_weights(model), "full": {}, "replicated": {}, "chunked": {}}
+    out: dict[str, Any] = {"whole": full_weights(model), "kinds": set(), "ops": {}}
     for prefixed, param in model.named_parameters():
         name = prefixed.removeprefix("module.")
-        out["full"][name] = param.full_tensor().detach().cpu()
-        replicated = param.redistribute(param.device_mesh, [Replicate()])
-        out["replicated"][name] = replicated.to_local().detach().cpu()
-        again = replicated.redistribute(param.device_mesh, list(param.placements))
-        # torch's own chunking of the whole tensor is exactly this rank's shard
-        native = distribute_tensor(out["full"][name].to(param.device), param.device_mesh, param.placements)
-        out["chunked"][name] = (
-            param.placements == (Shard(0),)
-            and torch.equal(native.to_local(), param.to_local())
-            and torch.equal(again.to_local(), param.to_local())
+        mesh = param.device_mesh
+        split = list(param.ragged_placements if isinstance(param, RaggedDTensor) else param.placements)
+        full = param.full_tensor().detach()
+        replicated = param.redistribute(mesh, [Replicate()] * mesh.ndim)
+        again = reshard(replicated, split)
+        # torch's own chunking of the whole tensor, then into this param's split: exactly this rank's shard
+        native = reshard(distribute_tensor(full, mesh, [Replicate()] * (mesh.ndim - 1) + [Shard(0)]), split)
+        by_column = (
+            param.redistribute(mesh, [*split[:-1], Shard(1)]).full_tensor() if param.ndim > 1 else full
+        )
+        out["kinds"].add(type(param).__name__)
+        out["ops"][name] = (
+            full.cpu(),
+            replicated.to_local().detach().cpu(),
+            by_column.detach().cpu(),
+            torch.equal(native.to_local(), param.to_local())
+            and torch.equal(again.to_local(), param.to_local()),
         )
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
-def test_chunk_shards_follow_torch_shard_rule(strategy: str, world: int) -> None:
-    for rank, out in enumerate(run_distributed(native_ops, world, args=(strategy,))):
+@pytest.mark.parametrize(
+    ("world", "strategy", "policy", "outer"),
+    [
+        (2, "optim", "chunk", 1),
+        (4, "optim_grads", "chunk", 1),
+        (2, "optim_grads_params", "chunk", 1),
+        (4, "optim_grads_params", "row", 1),
+        (2, "optim", "tensor", 1),
+        (2, "optim_grads", "mixed", 1),
+        (4, "optim_grads_params", "mixed", 1),
+        (4, "optim_grads_params", "row", 2),  # HSDP: (Replicate, shard) over a 2 x 2 mesh
+    ],
+)
+def test_native_ops_on_every_policy(world: int, strategy: str, policy: str, outer: int) -> None:
+    """``full_tensor()``, ``redistribute()`` (to Replicate, to Shard(1), back) and torch's own scatter on
+    the optimizer's params equal the whole weights; ``chunk`` shards are torch's ``Shard(0)`` DTensors, the
+    other policies' uneven ones ``RaggedDTensor``s."""
+    for rank, out in enumerate(run_distributed(native_ops, world, args=(strategy, POLICIES[policy], outer))):
         for name, whole in out["whole"].items():
             if name == "head.weight":  # tied: the embedding's
                 continue
-            assert torch.equal(out["full"][name], whole), (rank, name)
-            assert torch.equal(out["replicated"][name], whole), (rank, name)
-            assert out["chunked"][name], (rank, name)
+            full, replicated, by_column, native = out["ops"][name]
+            assert torch.equal(full, whole), (rank, name)
+            assert torch.equal(replicated, whole), (rank, name)
+            assert torch.equal(by_column, whole), (rank, name)
+            assert native, (rank, name)
+        assert ("RaggedDTensor" in out["kinds"]) == (policy != "chunk"), (rank, out["kinds"])
 
 
 def save_plainly(alignment: Any, directory: str) -> dict[str, torch.Tensor]:

@@ -598,7 +598,7 @@ class MegatronFSDP(nn.Module):
         """Give the optimizer's params their reduced grads."""
         for bucket, params in zip(self.buckets, self._optimizer_params, strict=True):
             if bucket.spec.requires_grad:
-                attach_grads(bucket, params, self._mesh, self._placements)
+                attach_grads(bucket, params)
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Every grad of the cycle reduced exactly once, then attached to the optimizer's params. Calling

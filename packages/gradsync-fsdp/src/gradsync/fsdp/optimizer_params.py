@@ -2,7 +2,11 @@
 
 Each DTensor's local tensor is a view of its bucket's main weights (or compute weights), so the
 optimizer's in-place updates land in the flat buffers. Shards are uneven, and a rank may own no rows of
-a param: the DTensor carries the param's global shape explicitly. ``no_shard`` params are ``Replicate``.
+a param: the DTensor carries the param's global shape explicitly. Its shard placement is torch's
+``Shard(0)``; where the rows per rank do not follow ``torch.chunk`` it is a
+:class:`~gradsync.fsdp.ragged.RaggedDTensor` whose ``full_tensor()`` and ``redistribute()`` use the layout's
+row counts (on a (shard) or (replicated outer, shard) mesh; HFSDP's two shard dims keep a plain DTensor and
+the uneven-DTensor helpers). ``no_shard`` params are ``Replicate``.
 """
 
 from __future__ import annotations
@@ -12,12 +16,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from gradsync.buffers.shard_alignment import SHARD_ALIGNMENT_ATTR
 
 from .bucket import FlatParamBucket
 from .dcp import FIRST_ROW, describe_shard
+from .ragged import RaggedDTensor, RaggedShard, shard_placement
 
 # Attributes Megatron and gradsync-finalize read off params, carried over to the optimizer's params.
 CARRIED_ATTRIBUTES = (
@@ -46,6 +51,18 @@ def as_dtensor(
     )
 
 
+def ragged_placements(
+    bucket: FlatParamBucket, index: int, placements: Sequence[Placement]
+) -> list[Placement]:
+    """``placements`` with the shard dim describing how the layout split item ``index``'s rows."""
+    shape = bucket.layout.items[index].shape
+    if not bucket.sharding.shard_main or not len(shape) or sum(isinstance(p, Shard) for p in placements) != 1:
+        return list(placements)
+    rows = [bucket.layout.local_rows(index, rank) for rank in range(bucket.layout.world)]
+    sizes = [last - first for first, last in rows]
+    return [shard_placement(sizes) if isinstance(p, Shard) else p for p in placements]
+
+
 def build_optimizer_params(
     bucket: FlatParamBucket, mesh: DeviceMesh, placements: Sequence[Placement]
 ) -> list[nn.Parameter]:
@@ -54,7 +71,11 @@ def build_optimizer_params(
     params = []
     for index, raw in enumerate(bucket.spec.params):
         local = bucket.local_view(source, base, index)
-        dtensor = as_dtensor(local, mesh, raw.shape, placements)
+        true_placements = ragged_placements(bucket, index, placements)
+        if any(isinstance(p, RaggedShard) for p in true_placements):
+            dtensor: DTensor = RaggedDTensor.wrap(local, mesh, raw.shape, true_placements)
+        else:
+            dtensor = as_dtensor(local, mesh, raw.shape, placements)
         param = nn.Parameter(dtensor, requires_grad=raw.requires_grad)
         if bucket.sharding.shard_main:
             first_row = bucket.owned_rows(index)[0]
@@ -67,11 +88,9 @@ def build_optimizer_params(
     return params
 
 
-def attach_grads(
-    bucket: FlatParamBucket, params: list[nn.Parameter], mesh: DeviceMesh, placements: Sequence[Placement]
-) -> None:
-    """Give each optimizer param its reduced grad (a view when dtypes match, else a cast copy), an empty
-    one where this rank owns no rows, as FSDP2's shards have."""
+def attach_grads(bucket: FlatParamBucket, params: list[nn.Parameter]) -> None:
+    """Give each optimizer param its reduced grad (a view when dtypes match, else a cast copy) on the
+    param's mesh and placements, an empty one where this rank owns no rows, as FSDP2's shards have."""
     for index, param in enumerate(params):
         local = bucket.grad_view(index)
         if local is None or not param.requires_grad:
@@ -79,4 +98,8 @@ def attach_grads(
             continue
         if local.dtype != param.dtype:
             local = local.to(param.dtype)
-        param.grad = as_dtensor(local, mesh, param.shape, placements)
+        if isinstance(param, RaggedDTensor):
+            param.grad = RaggedDTensor.wrap(local, param.device_mesh, param.shape, param.ragged_placements)
+        else:
+            assert isinstance(param, DTensor)  # a Parameter over a DTensor
+            param.grad = as_dtensor(local, param.device_mesh, param.shape, param.placements)

@@ -1,0 +1,299 @@
+"""Uneven shards torch's own DTensor machinery can gather, scatter and checkpoint.
+
+gradsync-fsdp cuts its flat buckets where the layout says (whole rows, whole matrices, whole blocks), so a
+param's rows per rank rarely follow ``torch.chunk``, the only split ``Shard(dim)`` knows: ``full_tensor()``
+and ``redistribute()`` on such a shard send mismatched byte counts inside torch (on gloo the transport
+aborts). Two pieces fix that:
+
+- :class:`RaggedShard` ``(dim, sizes)``: a ``Shard(dim)`` whose piece on mesh coordinate ``i`` has
+  ``sizes[i]`` entries along ``dim`` (veScale-FSDP's ``RaggedShard``, Megatron-FSDP v2's uneven ``DBuffer``
+  placement). It overrides the hooks torch's redistribute and checkpoint code calls on a shard placement,
+  so on a DTensor placed with it ``full_tensor()``, ``redistribute()`` (to ``Replicate``, to ``Shard(k)``
+  with ``k != dim``, from ``Replicate``, from ``Partial``), DCP save / load (to and from any other
+  sharding) run natively and exactly. It is a placement for moving data, not for computing on: torch's C++
+  op-dispatch cache keys a placement by kind and dim only, so ops on two DTensors whose splits differ can
+  share a cached output placement. Compute on the param, whose label stays torch's ``Shard(dim)``.
+- :class:`RaggedDTensor`: a DTensor (gradsync's optimizer params and their grads) labelled ``Shard(dim)``
+  for op dispatch, exactly as before, whose ``full_tensor()``, ``redistribute()`` and ``detach()`` use its
+  true ``ragged_placements``. Optimizer steps, ``clip_grad_norm_`` and every other op see a plain DTensor;
+  their outputs are plain DTensors (take :func:`like_ragged` to give an elementwise result the split back).
+
+Limits of torch's redistribute executor that this module cannot reach (it calls the *source* placement's
+hook, or none): a move from a ragged split to ``Shard(dim)`` on the same ``dim``, or from ``Shard(k)`` into
+a ragged split, is not carried out by ``DTensor.redistribute`` on a ``RaggedShard`` DTensor;
+:func:`reshard` (and ``RaggedDTensor.redistribute``) go through ``Replicate`` there.
+``distribute_tensor(t, mesh, [RaggedShard(...)])`` scatters torch's even chunks and labels them so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+__all__ = ["RaggedDTensor", "RaggedShard", "like_ragged", "reshard", "shard_placement"]
+
+
+class RaggedShard(Shard):
+    """``Shard(dim)`` with ``sizes[i]`` entries of ``dim`` on mesh coordinate ``i`` (some may be 0)."""
+
+    def __init__(self, dim: int, sizes: Sequence[int]) -> None:
+        super().__init__(dim)
+        if not sizes or any(int(size) < 0 for size in sizes):
+            raise ValueError(
+                f"RaggedShard: sizes must be one non-negative count per mesh coordinate, got {sizes}"
+            )
+        self.sizes: tuple[int, ...] = tuple(int(size) for size in sizes)
+
+    def offset(self, index: int) -> int:
+        return sum(self.sizes[:index])
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to ``Shard(dim)``: torch checks a spec's placements against ``Shard(dim)`` when it builds
+        one. Two ragged splits are equal only with equal sizes, and the hash tells all three apart."""
+        if isinstance(other, RaggedShard):
+            return other.dim == self.dim and other.sizes == self.sizes
+        return isinstance(other, Shard) and other.dim == self.dim
+
+    def __hash__(self) -> int:
+        return hash((self.dim, self.sizes))
+
+    def __reduce__(self) -> tuple[type[RaggedShard], tuple[int, tuple[int, ...]]]:
+        """Pickle (and deep-copy) with the sizes: the base class's state holds only ``dim``."""
+        return RaggedShard, (self.dim, self.sizes)
+
+    def __repr__(self) -> str:
+        return f"RaggedShard(dim={self.dim}, sizes={self.sizes})"
+
+    def __str__(self) -> str:
+        return f"RS({self.dim}, {list(self.sizes)})"
+
+    def _check(self, dim_size: int, num_chunks: int) -> None:
+        if num_chunks != len(self.sizes) or dim_size != sum(self.sizes):
+            raise ValueError(
+                f"{self!r} describes {len(self.sizes)} pieces of {sum(self.sizes)} entries, but the tensor "
+                f"has {dim_size} entries along dim {self.dim} over {num_chunks} mesh coordinates"
+            )
+
+    def local_shard_size_and_offset(  # type: ignore[override]
+        self, curr_local_size: int, num_chunks: int, rank: int
+    ) -> tuple[int, int]:
+        self._check(int(curr_local_size), num_chunks)
+        return self.sizes[rank], self.offset(rank)
+
+    def _local_shard_size_and_offset(
+        self, curr_local_size: int, num_chunks: int, rank: Any
+    ) -> tuple[int, Any]:
+        return self.local_shard_size_and_offset(curr_local_size, num_chunks, int(rank))
+
+    def _split_tensor(
+        self, tensor: torch.Tensor, num_chunks: int, *, with_padding: bool = True, contiguous: bool = True
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """The pieces (padded to the largest when ``with_padding``, as collectives want equal sizes)."""
+        self._check(tensor.size(self.dim), num_chunks)
+        widest = max(self.sizes)
+        pieces, pads = [], []
+        for index, size in enumerate(self.sizes):
+            piece = tensor.narrow(self.dim, self.offset(index), size)
+            pad = widest - size if with_padding else 0
+            if pad:
+                piece = torch.cat([piece, _zeros_along(piece, self.dim, pad)], self.dim)
+            pieces.append(piece.contiguous() if contiguous else piece)
+            pads.append(pad)
+        return pieces, pads
+
+    def _select_split_tensor(
+        self,
+        tensor: torch.Tensor,
+        num_chunks: int,
+        index: Any,
+        *,
+        with_padding: bool = True,
+        contiguous: bool = True,
+        clone: bool = True,
+    ) -> torch.Tensor:
+        pieces, _ = self._split_tensor(tensor, num_chunks, with_padding=with_padding, contiguous=False)
+        piece = pieces[int(index)]
+        if clone:
+            return piece.clone()
+        return piece.contiguous() if contiguous else piece
+
+    def _to_replicate_tensor(
+        self,
+        local_tensor: torch.Tensor,
+        mesh: DeviceMesh,
+        mesh_dim: int,
+        current_logical_shape: Sequence[Any],
+    ) -> torch.Tensor:
+        """All-gather the pieces, padded to the widest, and drop each one's padding."""
+        self._check(int(current_logical_shape[self.dim]), mesh.size(mesh_dim))
+        widest = max(self.sizes)
+        pad = widest - local_tensor.size(self.dim)
+        if pad:
+            local_tensor = torch.cat([local_tensor, _zeros_along(local_tensor, self.dim, pad)], self.dim)
+        gathered = _wait(
+            funcol.all_gather_single(local_tensor.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim))
+        )
+        pieces = [gathered.narrow(self.dim, index * widest, size) for index, size in enumerate(self.sizes)]
+        return torch.cat(pieces, self.dim)
+
+    def _reduce_shard_tensor(
+        self, tensor: torch.Tensor, mesh: DeviceMesh, reduce_op: str, mesh_dim: int
+    ) -> torch.Tensor:
+        """Reduce-scatter the padded pieces (a ``Partial`` DTensor turned into this placement)."""
+        if mesh.get_coordinate() is None:
+            return tensor
+        pieces, pads = self._split_tensor(tensor, mesh.size(mesh_dim), with_padding=True, contiguous=True)
+        reduced = _wait(
+            funcol.reduce_scatter_single(
+                torch.cat(pieces, self.dim), reduce_op, scatter_dim=self.dim, group=(mesh, mesh_dim)
+            )
+        )
+        index = mesh.get_local_rank(mesh_dim)
+        return reduced.narrow(self.dim, 0, reduced.size(self.dim) - pads[index])
+
+    def _to_new_shard_dim(
+        self,
+        local_tensor: torch.Tensor,
+        mesh: DeviceMesh,
+        mesh_dim: int,
+        current_logical_shape: Sequence[Any],
+        new_shard_dim: int,
+    ) -> torch.Tensor:
+        """Through a whole copy (an all-gather), then torch's chunk of ``new_shard_dim``: exact, not the
+        all-to-all torch uses between even shards."""
+        whole = self._to_replicate_tensor(local_tensor, mesh, mesh_dim, current_logical_shape)
+        return Shard(new_shard_dim)._replicate_to_shard(whole, mesh, mesh_dim, mesh.get_local_rank(mesh_dim))
+
+
+def _zeros_along(tensor: torch.Tensor, dim: int, count: int) -> torch.Tensor:
+    shape = list(tensor.shape)
+    shape[dim] = count
+    return tensor.new_zeros(shape)
+
+
+def _wait(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.wait() if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
+
+
+def shard_placement(sizes: Sequence[int], dim: int = 0) -> Shard:
+    """``Shard(dim)`` when ``sizes`` are ``torch.chunk``'s split of their sum, else ``RaggedShard``: torch's
+    own placement wherever it describes the pieces."""
+    total, count = sum(sizes), len(sizes)
+    step = -(-total // count) if count else 0
+    chunked = [max(0, min(step, total - index * step)) for index in range(count)]
+    return Shard(dim) if list(sizes) == chunked else RaggedShard(dim, sizes)
+
+
+def reshard(
+    tensor: DTensor,
+    placements: Sequence[Placement],
+    *,
+    async_op: bool = False,
+    forward_dtype: torch.dtype | None = None,
+    backward_dtype: torch.dtype | None = None,
+) -> DTensor:
+    """``tensor.redistribute(placements)``, through ``Replicate`` first where torch's executor would skip or
+    mis-cut a move into or within a ragged split (see the module's limits)."""
+    mesh = tensor.device_mesh
+    if any(_executor_misses(old, new) for old, new in zip(tensor.placements, placements, strict=True)):
+        tensor = tensor.redistribute(mesh, [Replicate()] * mesh.ndim)
+    return tensor.redistribute(
+        mesh, placements, async_op=async_op, forward_dtype=forward_dtype, backward_dtype=backward_dtype
+    )
+
+
+def _executor_misses(old: Placement, new: Placement) -> bool:
+    if not (isinstance(old, Shard) and isinstance(new, Shard)) or repr(old) == repr(new):
+        return False
+    return isinstance(new, RaggedShard) or (isinstance(old, RaggedShard) and old.dim == new.dim)
+
+
+class RaggedDTensor(DTensor):
+    """A DTensor labelled with torch's ``Shard(dim)`` for op dispatch whose ``full_tensor()``,
+    ``redistribute()`` and ``detach()`` (so ``nn.Parameter`` too) keep its true, ragged split."""
+
+    _ragged_placements: tuple[Placement, ...]
+
+    @staticmethod
+    def wrap(
+        local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size, ragged_placements: Sequence[Placement]
+    ) -> RaggedDTensor:
+        """``local`` (no autograd history, as gradsync's buffer views) as a shard of ``shape``: the label
+        puts ``Shard(dim)`` where ``ragged_placements`` has a ragged split."""
+        label = [Shard(p.dim) if isinstance(p, RaggedShard) else p for p in ragged_placements]
+        stride = torch.empty(shape, device="meta").stride()
+        spec = DTensorSpec(mesh, tuple(label), TensorMeta(shape, stride, local.dtype))
+        return RaggedDTensor._of(local.view_as(local), spec, ragged_placements, local.requires_grad)
+
+    @staticmethod
+    def _of(
+        local: torch.Tensor, spec: DTensorSpec, ragged_placements: Sequence[Placement], requires_grad: bool
+    ) -> RaggedDTensor:
+        tensor = RaggedDTensor(local, spec, requires_grad=requires_grad)  # type: ignore[no-untyped-call]
+        tensor._ragged_placements = tuple(ragged_placements)
+        return tensor
+
+    @property
+    def ragged_placements(self) -> tuple[Placement, ...]:
+        """The placements that say which rows each rank holds (``placements`` is the dispatch label)."""
+        return self._ragged_placements
+
+    def ragged_view(self) -> DTensor:
+        """This shard placed with its ragged placements (differentiable): for moving data, not for ops."""
+        return DTensor.from_local(
+            self.to_local(),
+            self.device_mesh,
+            self._ragged_placements,
+            run_check=False,
+            shape=self.shape,
+            stride=self.stride(),
+        )
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        return self.ragged_view().full_tensor(grad_placements=grad_placements)
+
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
+    ) -> DTensor:
+        if device_mesh is not None and device_mesh != self.device_mesh:
+            raise NotImplementedError(
+                "RaggedDTensor.redistribute: moving to another device mesh is not supported"
+            )
+        if placements is None:
+            raise RuntimeError("placements is needed for redistribute!")
+        return reshard(
+            self.ragged_view(),
+            placements,
+            async_op=async_op,
+            forward_dtype=forward_dtype,
+            backward_dtype=backward_dtype,
+        )
+
+    def detach(self) -> RaggedDTensor:
+        detached = super().detach()
+        assert isinstance(detached, DTensor)
+        return RaggedDTensor._of(detached._local_tensor, detached._spec, self._ragged_placements, False)
+
+
+def like_ragged(result: DTensor, like: RaggedDTensor) -> RaggedDTensor:
+    """``result`` (an elementwise op's output over ``like``'s pieces, a plain DTensor) with ``like``'s
+    ragged split, so ``full_tensor()`` and ``redistribute()`` see the true rows again."""
+    if result.shape != like.shape or result.to_local().shape != like.to_local().shape:
+        raise ValueError(
+            f"like_ragged: result has global shape {tuple(result.shape)} and local shape "
+            f"{tuple(result.to_local().shape)}, but the ragged DTensor it follows has {tuple(like.shape)} "
+            f"and {tuple(like.to_local().shape)}: only an elementwise op's output keeps the pieces"
+        )
+    return RaggedDTensor._of(result._local_tensor, result._spec, like.ragged_placements, result.requires_grad)
