@@ -84,7 +84,7 @@ def native_ops(strategy: str, alignment: Any, outer: int) -> dict[str, Any]:
         model(local_microbatches(step, dist.get_rank(), dist.get_world_size(), 1)[0]).backward()
         optimizer.step()
         optimizer.zero_grad()
-    out: dict[str, Any] = {"whole": full_weights(model), "kinds": set(), "ops": {}}
+    out: dict[str, Any] = {"whole": full_weights(model), "kinds": set(), "ops": {}, "state": {}}
     for prefixed, param in model.named_parameters():
         name = prefixed.removeprefix("module.")
         mesh = param.device_mesh
@@ -98,6 +98,8 @@ def native_ops(strategy: str, alignment: Any, outer: int) -> dict[str, Any]:
             param.redistribute(mesh, [*split[:-1], Shard(1)]).full_tensor() if param.ndim > 1 else full
         )
         out["kinds"].add(type(param).__name__)
+        momentum = optimizer.state[param]["momentum_buffer"]  # fully_shard_optimizer's state keeps the split
+        out["state"][name] = (momentum.full_tensor().cpu(), uneven_dtensor_to_full_tensor(momentum).cpu())
         out["ops"][name] = (
             full.cpu(),
             replicated.to_local().detach().cpu(),
@@ -134,6 +136,8 @@ def test_native_ops_on_every_policy(world: int, strategy: str, policy: str, oute
             assert torch.equal(replicated, whole), (rank, name)
             assert torch.equal(by_column, whole), (rank, name)
             assert native, (rank, name)
+            native_state, gathered_state = out["state"][name]
+            assert torch.equal(native_state, gathered_state), (rank, name)
         assert ("RaggedDTensor" in out["kinds"]) == (policy != "chunk"), (rank, out["kinds"])
 
 

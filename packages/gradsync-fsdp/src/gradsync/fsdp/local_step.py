@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .ragged import RaggedDTensor
 from .step_tracking import OWNER
 
 
@@ -37,9 +38,11 @@ def _local_param(param: torch.Tensor) -> torch.Tensor:
 
 
 def _as_distributed(value: Any, param: DTensor, local: torch.Tensor) -> Any:
-    """State the step created: per-element tensors become DTensors shaped like ``param``."""
+    """State the step created: per-element tensors become DTensors split like ``param`` (ragged too)."""
     if not (isinstance(value, torch.Tensor) and value.shape == local.shape and value.dim() > 0):
         return value
+    if isinstance(param, RaggedDTensor):
+        return RaggedDTensor.wrap(value, param.device_mesh, param.shape, param.ragged_placements)
     return DTensor.from_local(
         value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )

@@ -13,10 +13,11 @@ aborts). Two pieces fix that:
   sharding) run natively and exactly. It is a placement for moving data, not for computing on: torch's C++
   op-dispatch cache keys a placement by kind and dim only, so ops on two DTensors whose splits differ can
   share a cached output placement. Compute on the param, whose label stays torch's ``Shard(dim)``.
-- :class:`RaggedDTensor`: a DTensor (gradsync's optimizer params and their grads) labelled ``Shard(dim)``
-  for op dispatch, exactly as before, whose ``full_tensor()``, ``redistribute()`` and ``detach()`` use its
-  true ``ragged_placements``. Optimizer steps, ``clip_grad_norm_`` and every other op see a plain DTensor;
-  their outputs are plain DTensors (take :func:`like_ragged` to give an elementwise result the split back).
+- :class:`RaggedDTensor`: a DTensor (gradsync's optimizer params, their grads and state) labelled
+  ``Shard(dim)`` for op dispatch, exactly as before, whose ``full_tensor()``, ``redistribute()`` and DCP
+  metadata use its true ``ragged_placements``. Optimizer steps, ``clip_grad_norm_`` and every other op run
+  as on a plain DTensor; outputs shaped like a ragged input (``detach``, ``zeros_like``, arithmetic) keep
+  its split.
 
 Limits of torch's redistribute executor that this module cannot reach (it calls the *source* placement's
 hook, or none): a move from a ragged split to ``Shard(dim)`` on the same ``dim``, or from ``Shard(k)`` into
@@ -32,11 +33,12 @@ from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-__all__ = ["RaggedDTensor", "RaggedShard", "like_ragged", "reshard", "shard_placement"]
+__all__ = ["RaggedDTensor", "RaggedShard", "reshard", "shard_placement"]
 
 
 class RaggedShard(Shard):
@@ -215,8 +217,9 @@ def _executor_misses(old: Placement, new: Placement) -> bool:
 
 
 class RaggedDTensor(DTensor):
-    """A DTensor labelled with torch's ``Shard(dim)`` for op dispatch whose ``full_tensor()``,
-    ``redistribute()`` and ``detach()`` (so ``nn.Parameter`` too) keep its true, ragged split."""
+    """A DTensor labelled with torch's ``Shard(dim)`` for op dispatch whose ``redistribute()`` (so
+    ``full_tensor()``, which calls it), checkpoint metadata and same-shaped op outputs (so ``detach()`` and
+    ``nn.Parameter``) keep its true, ragged split."""
 
     _ragged_placements: tuple[Placement, ...]
 
@@ -245,7 +248,8 @@ class RaggedDTensor(DTensor):
         return self._ragged_placements
 
     def ragged_view(self) -> DTensor:
-        """This shard placed with its ragged placements (differentiable): for moving data, not for ops."""
+        """This shard placed with its ragged placements (differentiable): for moving data and checkpoint
+        metadata, not for ops."""
         return DTensor.from_local(
             self.to_local(),
             self.device_mesh,
@@ -254,9 +258,6 @@ class RaggedDTensor(DTensor):
             shape=self.shape,
             stride=self.stride(),
         )
-
-    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-        return self.ragged_view().full_tensor(grad_placements=grad_placements)
 
     def redistribute(
         self,
@@ -281,19 +282,36 @@ class RaggedDTensor(DTensor):
             backward_dtype=backward_dtype,
         )
 
-    def detach(self) -> RaggedDTensor:
-        detached = super().detach()
-        assert isinstance(detached, DTensor)
-        return RaggedDTensor._of(detached._local_tensor, detached._spec, self._ragged_placements, False)
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # DTensor's own signature
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """Every op runs as on a plain DTensor; an output labelled, shaped and locally sized like a
+        ragged input (an elementwise or alias op's: ``detach``, ``zeros_like``, ``clone``, ``a + b``) keeps
+        that input's split, so optimizer state and results of arithmetic gather right too."""
+        out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
+        sources = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, RaggedDTensor)]
+        return pytree.tree_map_only(DTensor, lambda result: _follow_split(result, sources), out)
+
+    def __create_write_items__(self, fqn: str, object: Any) -> Any:
+        """DCP: this rank's rows at their true offset (torch would place the label's even chunk)."""
+        placed = self.ragged_view()
+        return placed.__create_write_items__(fqn, placed)
+
+    def __create_chunk_list__(self) -> Any:
+        return self.ragged_view().__create_chunk_list__()  # type: ignore[no-untyped-call]
 
 
-def like_ragged(result: DTensor, like: RaggedDTensor) -> RaggedDTensor:
-    """``result`` (an elementwise op's output over ``like``'s pieces, a plain DTensor) with ``like``'s
-    ragged split, so ``full_tensor()`` and ``redistribute()`` see the true rows again."""
-    if result.shape != like.shape or result.to_local().shape != like.to_local().shape:
-        raise ValueError(
-            f"like_ragged: result has global shape {tuple(result.shape)} and local shape "
-            f"{tuple(result.to_local().shape)}, but the ragged DTensor it follows has {tuple(like.shape)} "
-            f"and {tuple(like.to_local().shape)}: only an elementwise op's output keeps the pieces"
-        )
-    return RaggedDTensor._of(result._local_tensor, result._spec, like.ragged_placements, result.requires_grad)
+def _follow_split(result: DTensor, sources: list[RaggedDTensor]) -> DTensor:
+    if isinstance(result, RaggedDTensor):
+        return result
+    for source in sources:
+        if (
+            result._spec.placements == source._spec.placements
+            and result.shape == source.shape
+            and result._local_tensor.shape == source._local_tensor.shape
+        ):
+            return RaggedDTensor._of(
+                result._local_tensor, result._spec, source.ragged_placements, result.requires_grad
+            )
+    return result
