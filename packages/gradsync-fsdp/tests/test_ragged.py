@@ -199,3 +199,22 @@ def test_placement_identity() -> None:
     assert repr(shard_placement([3, 0, 5, 1])) == "RaggedShard(dim=0, sizes=(3, 0, 5, 1))"
     with pytest.raises(ValueError, match="non-negative"):
         RaggedShard(0, (2, -1))
+
+
+def foreach_outputs() -> list[torch.Tensor]:
+    """Two same-shaped ragged tensors split differently, through one foreach op: output i keeps input i's
+    split (on ranks where both hold the same number of rows, only the position tells them apart)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = whole(world, torch.float32).to(test_device())
+    first = ragged_param(piece(full, SIZES[world], rank).clone(), SIZES[world], full.shape)
+    other = (3, 1, 4, 1)  # ranks 0 and 3 hold as many rows as in SIZES, ranks 1 and 2 do not
+    second = ragged_param(piece(full, other, rank).clone(), other, full.shape)
+    doubled = torch._foreach_mul([first, second], 2.0)
+    assert all(isinstance(t, RaggedDTensor) for t in doubled)
+    return [t.full_tensor().cpu() for t in doubled]
+
+
+def test_foreach_outputs_keep_each_inputs_split() -> None:
+    full = whole(4, torch.float32)
+    for rank, outputs in enumerate(run_distributed(foreach_outputs, 4)):
+        assert all(torch.equal(out, full * 2) for out in outputs), rank

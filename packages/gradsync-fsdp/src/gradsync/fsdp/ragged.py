@@ -289,9 +289,26 @@ class RaggedDTensor(DTensor):
         """Every op runs as on a plain DTensor; an output labelled, shaped and locally sized like a
         ragged input (an elementwise or alias op's: ``detach``, ``zeros_like``, ``clone``, ``a + b``) keeps
         that input's split, so optimizer state and results of arithmetic gather right too."""
-        out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
-        sources = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, RaggedDTensor)]
-        return pytree.tree_map_only(DTensor, lambda result: _follow_split(result, sources), out)
+        sources: list[RaggedDTensor] = []
+
+        def plain(tensor: RaggedDTensor) -> DTensor:
+            sources.append(tensor)
+            return tensor._plain()
+
+        out = func(*_map_only(RaggedDTensor, plain, args), **_map_only(RaggedDTensor, plain, kwargs or {}))
+        if type(out) is list:  # a foreach op: output i follows item i of the lists it was given
+            lists = [arg for arg in args if type(arg) in (list, tuple) and len(arg) == len(out)]
+            return [_follow_split(result, [items[i] for items in lists]) for i, result in enumerate(out)]
+        return _map_only(DTensor, lambda result: _follow_split(result, sources), out)
+
+    def _plain(self) -> DTensor:
+        """A plain DTensor over the same local tensor and spec, which re-enters torch's C++ dispatch; kept
+        while those stay the same (building one per op was most of a foreach optimizer step's cost)."""
+        twin: DTensor | None = self.__dict__.get("_twin")
+        if twin is None or twin._local_tensor is not self._local_tensor or twin._spec is not self._spec:
+            twin = DTensor(self._local_tensor, self._spec, requires_grad=False)  # type: ignore[no-untyped-call]
+            self._twin = twin
+        return twin
 
     def __create_write_items__(self, fqn: str, object: Any) -> Any:
         """DCP: this rank's rows at their true offset (torch would place the label's even chunk)."""
@@ -302,16 +319,34 @@ class RaggedDTensor(DTensor):
         return self.ragged_view().__create_chunk_list__()  # type: ignore[no-untyped-call]
 
 
-def _follow_split(result: DTensor, sources: list[RaggedDTensor]) -> DTensor:
-    if isinstance(result, RaggedDTensor):
+def _map_only(kind: type[Any], fn: Any, tree: Any) -> Any:
+    """``pytree.tree_map_only`` with plain lists, tuples and dicts (every op's arguments and most outputs)
+    walked directly: the pytree machinery cost as much as the ops of a foreach optimizer step."""
+    if isinstance(tree, kind):
+        return fn(tree)
+    container = type(tree)
+    if container is list or container is tuple:
+        return container(_map_only(kind, fn, item) for item in tree)
+    if container is dict:
+        return {key: _map_only(kind, fn, value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple, dict)):  # named tuples and other containers: pytree's rules
+        return pytree.tree_map_only(kind, fn, tree)
+    return tree
+
+
+def _follow_split(result: Any, sources: list[Any]) -> Any:
+    """``result`` with the split of the ragged sources it is labelled, shaped and locally sized like, if
+    they agree on one (two same-shaped params may hold the same rows here and differ elsewhere)."""
+    if not isinstance(result, DTensor) or isinstance(result, RaggedDTensor):
         return result
-    for source in sources:
-        if (
-            result._spec.placements == source._spec.placements
-            and result.shape == source.shape
-            and result._local_tensor.shape == source._local_tensor.shape
-        ):
-            return RaggedDTensor._of(
-                result._local_tensor, result._spec, source.ragged_placements, result.requires_grad
-            )
-    return result
+    splits = {
+        source.ragged_placements
+        for source in sources
+        if isinstance(source, RaggedDTensor)
+        and result._spec.placements == source._spec.placements
+        and result.shape == source.shape
+        and result._local_tensor.shape == source._local_tensor.shape
+    }
+    if len(splits) != 1:
+        return result
+    return RaggedDTensor._of(result._local_tensor, result._spec, splits.pop(), result.requires_grad)
