@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from gradsync.buffers import BlockShampoo, Muon, muon_param_groups
 from gradsync.buffers.checkpointing import describe_chunk, materialize_optimizer_state
 from gradsync.buffers.matrix_optim import inverse_fourth_root, newton_schulz
+from gradsync.buffers.matrix_optim.local import local_tensor
 from gradsync.groups.testing import run_distributed
 
 QUINTIC = (3.4445, -4.7750, 2.0315)  # Muon's published Newton-Schulz coefficients
@@ -393,7 +394,9 @@ def lent_step(opt: torch.optim.Optimizer) -> None:
         for group, params in zip(opt.param_groups, originals, strict=True):
             group["params"] = params
         for param, state in lent.items():
-            assert opt.state.pop(param._local_tensor).keys() == state.keys()  # materialised before
+            stepped = opt.state.pop(param._local_tensor)
+            # materialised before, but for the (empty) state of a param this rank holds nothing of
+            assert stepped.keys() == state.keys() or not param._local_tensor.numel()
             if state:
                 opt.state[param] = state
 
@@ -424,7 +427,14 @@ def step_sharded(
     for param, twin, r in zip(sharded, plain, rows, strict=True):
         start = sum(r[: dist.get_rank()])
         out.append((param.to_local().detach().cpu(), twin.detach()[start : start + r[dist.get_rank()]].cpu()))
-        assert (param in opts[0].state) == (r[dist.get_rank()] > 0)  # no state where a rank holds nothing
+        holds = r[dist.get_rank()] > 0
+        # Muon keeps (empty) state where a rank holds nothing, as torch's optimizers do (lent_step drops
+        # what a lent step creates); Shampoo keeps none
+        assert (param in opts[0].state) == (holds or (name == "muon" and not lend))
+        assert (
+            all(local_tensor(v).numel() == 0 for v in opts[0].state.get(param, {}).values() if v.dim())
+            or holds
+        )
         for key, value in opts[0].state.get(param, {}).items():
             if key == "step":
                 continue

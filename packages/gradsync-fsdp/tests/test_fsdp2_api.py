@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from gradsync.buffers.matrix_optim import Muon, muon_param_groups
 from gradsync.fsdp import MixedPrecisionPolicy as GradsyncPrecision
 from gradsync.fsdp import uneven_dtensor_to_full_tensor
 from gradsync.fsdp.fsdp2 import (
@@ -570,13 +571,18 @@ def test_set_is_last_backward_and_zeroed_in_place_grads_train_like_one_process()
         assert max_relative_difference(weights, reference(2)) <= 1e-6, rank
 
 
-def titan_model(world: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def titan_model(world: int, seed: int, optimizer: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """SGD with momentum (state from torch's own ops on the DTensors), or Muon on whole matrices (state
+    from gradsync's local optimizer)."""
     model = TinyTransformer(seed)
     mesh = dp_mesh((world,))
+    alignment = "tensor" if optimizer == "muon" else None
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, make_optimizer(model.parameters())  # SGD with momentum: state to reshard
+        fully_shard(block, mesh=mesh, shard_alignment=alignment)
+    fully_shard(model, mesh=mesh, shard_alignment=alignment)
+    if optimizer == "muon":
+        return model, Muon(muon_param_groups(model), lr=0.02, weight_decay=0.1, adamw_eps=1e-4)
+    return model, make_optimizer(model.parameters())
 
 
 def titan_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
@@ -593,9 +599,9 @@ def titan_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range
         optimizer.zero_grad()
 
 
-def titan_save(directory: str) -> dict[str, torch.Tensor]:
+def titan_save(directory: str, name: str) -> dict[str, torch.Tensor]:
     """torchtitan's checkpoint: DCP of ``get_model_state_dict`` / ``get_optimizer_state_dict``."""
-    model, optimizer = titan_model(dist.get_world_size(), seed=0)
+    model, optimizer = titan_model(dist.get_world_size(), 0, name)
     titan_steps(model, optimizer, range(3))
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=directory)
@@ -603,8 +609,8 @@ def titan_save(directory: str) -> dict[str, torch.Tensor]:
     return {name: p.full_tensor().cpu() for name, p in model.named_parameters()}
 
 
-def titan_load(directory: str) -> dict[str, torch.Tensor]:
-    model, optimizer = titan_model(dist.get_world_size(), seed=1)
+def titan_load(directory: str, name: str) -> dict[str, torch.Tensor]:
+    model, optimizer = titan_model(dist.get_world_size(), 1, name)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=directory)
     set_model_state_dict(model, state["model"])
@@ -613,12 +619,16 @@ def titan_load(directory: str) -> dict[str, torch.Tensor]:
     return {name: p.full_tensor().cpu() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize(("saved", "loaded"), [(2, 2), (2, 4), (4, 2)])
-def test_torchtitan_checkpoints_reshard_across_dp_sizes(saved: int, loaded: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("saved", "loaded", "name"), [(2, 2, "sgd"), (2, 4, "sgd"), (4, 2, "sgd"), (2, 4, "muon"), (4, 2, "muon")]
+)
+def test_torchtitan_checkpoints_reshard_across_dp_sizes(
+    saved: int, loaded: int, name: str, tmp_path: Path
+) -> None:
     """torch's own state-dict API and DCP on the per-module API's params and a plain torch optimizer's
     state: saved at one DP size, loaded at another, two more steps equal two more steps of the run that
     saved (SGD: AdamW's update of a grad near zero can flip with the reduction order of another DP size)."""
     directory = str(tmp_path / "ckpt")
-    uninterrupted = run_distributed(titan_save, saved, args=(directory,))[0]
-    for rank, weights in enumerate(run_distributed(titan_load, loaded, args=(directory,))):
+    uninterrupted = run_distributed(titan_save, saved, args=(directory, name))[0]
+    for rank, weights in enumerate(run_distributed(titan_load, loaded, args=(directory, name))):
         assert max_relative_difference(weights, uninterrupted) <= 1e-6, rank

@@ -95,20 +95,13 @@ def local_offsets(param: torch.Tensor) -> tuple[int, ...]:
 
 
 def zeros_like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """fp32 zeros shaped like ``param`` (the tensor in the param group): a DTensor of the same layout for
-    a DTensor param (``local`` its local tensor), a plain tensor otherwise, a lent local tensor included
-    (gradsync-fsdp makes such state a DTensor after the step, as for torch's optimizers)."""
-    zeros = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
+    """fp32 zeros shaped like ``param`` (the tensor in the param group): for a DTensor param, torch's
+    ``zeros_like`` of it, so a DTensor subclass that carries its split (gradsync-fsdp's ``RaggedDTensor``)
+    keeps it; a plain tensor shaped like ``local`` otherwise, a lent local tensor included (gradsync-fsdp
+    makes such state a DTensor after the step, as for torch's optimizers)."""
     if isinstance(param, DTensor):
-        return DTensor.from_local(
-            zeros,
-            param.device_mesh,
-            param.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        )
-    return zeros
+        return torch.zeros_like(param, dtype=torch.float32)
+    return torch.zeros(local.shape, dtype=torch.float32, device=local.device)
 
 
 @dataclass(frozen=True)
@@ -180,15 +173,12 @@ class LocalOptimizer(torch.optim.Optimizer):
                 index += 1
 
     def pieces(self, group: dict[str, Any], indices: dict[torch.Tensor, int]) -> Iterator[LocalPiece]:
-        """The params of ``group`` this rank steps: with a grad and at least one local element."""
+        """The params of ``group`` with a grad, those this rank holds no element of included."""
         for param in group["params"]:
             if param.grad is None:
                 continue
-            local = local_tensor(param)
-            if local.numel() == 0:
-                continue
             grad = local_tensor(param.grad).float()
-            yield LocalPiece(indices[param], param, self.layout_of(param), local, grad)
+            yield LocalPiece(indices[param], param, self.layout_of(param), local_tensor(param), grad)
 
     @overload
     def step(self, closure: None = None) -> None: ...
@@ -206,11 +196,20 @@ class LocalOptimizer(torch.optim.Optimizer):
         indices = {param: index for index, param in self.indexed_params()}
         for group in self.param_groups:
             for piece in self.pieces(group, indices):
-                self.step_piece(piece, group)
+                if piece.local.numel():
+                    self.step_piece(piece, group)
+                else:
+                    self.step_empty_piece(piece, group)
         return loss
 
     def step_piece(self, piece: LocalPiece, group: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def step_empty_piece(self, piece: LocalPiece, group: dict[str, Any]) -> None:
+        """The step of a param this rank holds no element of: its state (empty, like the param) and step
+        counters, as torch's optimizers keep them for FSDP2's empty shards (torch's
+        ``set_optimizer_state_dict`` wants state for every param with a grad, and takes a plain ``step``
+        tensor from any one rank). Nothing by default."""
 
     def check_policy(
         self, index: int, param: torch.Tensor, policy: ShardAlignment, group: dict[str, Any]

@@ -161,6 +161,12 @@ class Muon(LocalOptimizer):
         else:
             self._adamw(piece, group)
 
+    def step_empty_piece(self, piece: LocalPiece, group: dict[str, Any]) -> None:
+        if not group["use_muon"]:
+            self._adamw(piece, group)  # element-wise: empty tensors step as any, and the counter moves
+        elif not self.state[piece.param]:
+            self.state[piece.param]["momentum_buffer"] = zeros_like_param(piece.param, piece.local)
+
     def _muon(self, piece: LocalPiece, group: dict[str, Any]) -> None:
         _check_muon_param(piece.index, piece.layout, piece.local)
         state = self.state[piece.param]
@@ -176,13 +182,17 @@ class Muon(LocalOptimizer):
         scaled_lr = lr * 0.2 * math.sqrt(max(grad.shape))
         apply_update(piece.local, update, scaled_lr, lr * float(group["weight_decay"]))
 
-    def _adamw(self, piece: LocalPiece, group: dict[str, Any]) -> None:
-        """torch.optim.AdamW's single-tensor step (decoupled decay, bias-corrected moments), in fp32."""
-        state = self.state[piece.param]
+    def _adamw_state(self, piece: LocalPiece) -> dict[str, Any]:
+        state: dict[str, Any] = self.state[piece.param]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = zeros_like_param(piece.param, piece.local)
             state["exp_avg_sq"] = zeros_like_param(piece.param, piece.local)
+        return state
+
+    def _adamw(self, piece: LocalPiece, group: dict[str, Any]) -> None:
+        """torch.optim.AdamW's single-tensor step (decoupled decay, bias-corrected moments), in fp32."""
+        state = self._adamw_state(piece)
         state["step"] += 1
         step = float(state["step"])
         beta1, beta2 = group["adamw_betas"]
