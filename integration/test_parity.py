@@ -132,3 +132,13 @@ def test_muon_matches_single_process(strategy: str, world: int) -> None:
     otherwise scale up to a full step in whichever direction the noise points."""
     opts = options(strategy, {"optimizer": "muon", "lr": 0.01, "eps": 1e-4})
     check_against_reference(world, opts, LOSS_TOLERANCE, PARAM_TOLERANCE)
+
+
+@pytest.mark.parametrize("strategy", ["ddp+distopt", "fsdp-optim_grads_params"])
+def test_muon_with_tensor_parallelism_matches_single_process(strategy: str) -> None:
+    """DP 2 x TP 2: each TP shard of a matrix whole on one data-parallel rank, Muon gathering the TP
+    shards of its update (``duplicated``), against Muon on the unsplit model in one process."""
+    opts = options(
+        strategy, {"optimizer": "muon", "lr": 0.01, "eps": 1e-4, "tp": 2, "sequence_parallel": True}
+    )
+    check_against_reference(4, opts, LOSS_TOLERANCE, PARAM_TOLERANCE)

@@ -155,9 +155,3 @@ def test_muon_report_compares_the_loss_curve_with_adamw(tmp_path: Path) -> None:
     first_losses, last_losses = ({row.split("|")[i].strip() for row in rows} for i in (3, 4))
     assert len(first_losses) == 1  # the same model and data
     assert len(last_losses) == 2  # different optimizers
-
-
-def test_muon_with_tensor_parallelism_is_refused(tmp_path: Path) -> None:
-    result = torchrun(2, "--steps", "1", "--optimizer", "muon", "--tp", "2", "--out-dir", str(tmp_path))
-    assert result.returncode != 0
-    assert "--optimizer muon orthogonalises whole matrices" in result.stderr

@@ -95,7 +95,10 @@ OPTIMIZERS = ("sgd", "adamw", "muon")
 EMBEDDINGS = ("wte", "wpe", "output_weight")  # the toy GPT's embeddings and untied head: AdamW under Muon
 
 
-def make_optimizer(opts: Options) -> OptimizerFactory:
+def make_optimizer(opts: Options, tp_group: dist.ProcessGroup | None = None) -> OptimizerFactory:
+    """``tp_group``: Muon gathers the TP shards of each split matrix over it (Muon's ``duplicated`` mode, the
+    same step as one process on the unsplit model)."""
+
     def build(named: Iterable[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
         if opts.optimizer == "sgd":
             return torch.optim.SGD([p for _, p in named], lr=opts.lr, momentum=0.9)
@@ -103,21 +106,24 @@ def make_optimizer(opts: Options) -> OptimizerFactory:
             return torch.optim.AdamW([p for _, p in named], lr=opts.lr, eps=opts.eps, weight_decay=0.01)
         if opts.optimizer == "muon":  # Moonlight's recipe: AdamW's learning rate and decay carry over
             groups = muon_param_groups(named, exclude=EMBEDDINGS)
-            return Muon(groups, lr=opts.lr, weight_decay=0.01, adamw_betas=(0.9, 0.999), adamw_eps=opts.eps)
+            return Muon(
+                groups,
+                lr=opts.lr,
+                weight_decay=0.01,
+                adamw_betas=(0.9, 0.999),
+                adamw_eps=opts.eps,
+                tp_group=tp_group,
+            )
         raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {opts.optimizer!r}")
 
     return build
 
 
 def shard_alignment(opts: Options) -> ShardAlignmentSpec:
-    """Muon orthogonalises whole matrices: every matrix sits whole on one rank of the sharded strategies."""
+    """Muon orthogonalises whole matrices: every matrix (its TP shard, with --tp) sits whole on one rank of
+    the sharded strategies."""
     if opts.optimizer != "muon":
         return None
-    if opts.tp > 1:
-        raise ValueError(
-            "--optimizer muon orthogonalises whole matrices, and a gather of the TP shards of each matrix is "
-            "not built: use --tp 1 (nox -s train picks it for muon when --tp is not given)"
-        )
     return lambda name, param: "tensor" if param.dim() >= 2 else None
 
 
@@ -158,7 +164,7 @@ def run(opts: Options, baseline: dict[str, list[StepRecord]] | None = None) -> R
         opts.strategy,
         stage,
         groups,
-        make_optimizer(opts),
+        make_optimizer(opts, groups.tp),
         opts.bucket_size,
         bf16=opts.bf16,
         hsdp=Hybrid(opts.hsdp, opts.hsdp_outer),

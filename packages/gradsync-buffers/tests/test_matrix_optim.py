@@ -575,3 +575,76 @@ def test_a_part_marked_with_its_origin_is_checked_as_that_param() -> None:
     Muon([whole]).step()  # a part that is the whole param steps
     with pytest.raises(ValueError, match="cut on this rank, which holds its rows 4 to 7, through its 3x6"):
         BlockShampoo([rows], block_size=(3, 6)).step()
+
+
+TP_SHAPES = {"rows": ((8, 6), 0), "columns": ((6, 8), 1), "replicated": ((5, 4), None)}
+"""A column-parallel weight (split along rows), a row-parallel one (along columns), one not split."""
+
+
+def tp_shard(full: torch.Tensor, dim: int | None, rank: int, size: int) -> torch.Tensor:
+    return full if dim is None else full.chunk(size, dim)[rank]
+
+
+def tensor_parallel_muon(tp_mode: str, steps: int) -> dict[str, torch.Tensor]:
+    """Five Muon steps on this rank's TP shards, the grads every rank's own slice of the same whole grads."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    fulls = {name: torch.randn(shape) for name, (shape, _) in TP_SHAPES.items()}
+    params = {}
+    for name, (_, dim) in TP_SHAPES.items():
+        param = nn.Parameter(tp_shard(fulls[name], dim, rank, size).clone().to(device()))
+        if dim is not None:
+            param.tensor_model_parallel = True  # type: ignore[attr-defined]
+            param.partition_dim = dim  # type: ignore[attr-defined]
+        params[name] = param
+    optimizer = Muon(
+        list(params.values()), lr=0.05, weight_decay=0.1, tp_group=dist.group.WORLD, tp_mode=tp_mode
+    )
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        for name, (shape, dim) in TP_SHAPES.items():
+            params[name].grad = tp_shard(torch.randn(shape), dim, rank, size).to(device())
+        optimizer.step()
+    return {name: param.detach().cpu() for name, param in params.items()}
+
+
+def one_process_muon(blockwise_over: int, steps: int) -> dict[str, torch.Tensor]:
+    """The reference: Muon on the whole matrices, or (``blockwise_over`` ranks) on each TP shard as a
+    matrix of its own; returns the whole matrices (shards concatenated)."""
+    torch.manual_seed(0)
+    fulls = {name: torch.randn(shape) for name, (shape, _) in TP_SHAPES.items()}
+    pieces = {
+        name: [
+            nn.Parameter(p.clone()) for p in (full.chunk(blockwise_over, dim) if dim is not None else [full])
+        ]
+        for (name, full), (_, dim) in zip(fulls.items(), (d for d in TP_SHAPES.values()), strict=True)
+    }
+    optimizer = Muon([p for ps in pieces.values() for p in ps], lr=0.05, weight_decay=0.1)
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        for name, (shape, dim) in TP_SHAPES.items():
+            grad = torch.randn(shape)
+            for piece, part in zip(pieces[name], grad.chunk(len(pieces[name]), dim or 0), strict=True):
+                piece.grad = part
+        optimizer.step()
+    return {
+        name: torch.cat([p.detach() for p in ps], dim if dim is not None else 0)
+        for (name, ps), (_, dim) in zip(pieces.items(), TP_SHAPES.values(), strict=True)
+    }
+
+
+@pytest.mark.parametrize("tp_mode", ["duplicated", "blockwise"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_muon_steps_tensor_parallel_shards_like_one_process(world: int, tp_mode: str) -> None:
+    """``duplicated``: every TP rank's shard equals its part of one-process Muon on the whole matrix;
+    ``blockwise``: of one-process Muon on each shard as a matrix of its own (which differs)."""
+    want = one_process_muon(world if tp_mode == "blockwise" else 1, steps=5)
+    for rank, got in enumerate(run_distributed(tensor_parallel_muon, world, args=(tp_mode, 5))):
+        for name, (_, dim) in TP_SHAPES.items():
+            expected = tp_shard(want[name], dim, rank, world)
+            assert torch.allclose(got[name], expected, rtol=1e-5, atol=1e-6), (rank, name)
+
+
+def test_tp_mode_and_split_dims_are_checked() -> None:
+    with pytest.raises(ValueError, match="tp_mode must be one of duplicated, blockwise"):
+        Muon([nn.Parameter(torch.zeros(2, 2))], tp_mode="gathered")

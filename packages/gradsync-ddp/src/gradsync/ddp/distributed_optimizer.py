@@ -39,10 +39,17 @@ def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -
     """An optimizer of ``optimizer``'s class over ``groups`` (which carry every hyper-parameter).
 
     ``defaults`` can hold keys the constructor does not take (AdamW's ``decoupled_weight_decay``), so
-    only the accepted ones are passed; the groups' own values win either way.
+    only the accepted ones are passed; the groups' own values win either way. A constructor argument kept
+    as an attribute instead (Muon's ``tp_group``, a process group no state dict should hold) is passed on.
     """
     accepted = inspect.signature(type(optimizer)).parameters
-    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    kwargs |= {
+        k: getattr(optimizer, k)
+        for k in accepted
+        if k not in kwargs and k != "params" and hasattr(optimizer, k)
+    }
+    return type(optimizer)(groups, **kwargs)
 
 
 def _refuse_policies_it_cannot_step(optimizer: LocalOptimizer) -> None:

@@ -107,7 +107,7 @@ def build_bucket_shards(
                 view.copy_(param.detach().view(-1)[param_range[0] : param_range[1]])
                 shape = piece_shape(param, param_range)
                 piece_main = nn.Parameter(view.view(shape))
-                mark_param_origin(piece_main, param.shape, piece_offsets(param, param_range, shape))
+                mark_param_origin(piece_main, param.shape, piece_offsets(param, param_range, shape), param)
                 shard.pieces.append(
                     ShardPiece(names[param], param, piece_main, param_range, key, group, shape)
                 )

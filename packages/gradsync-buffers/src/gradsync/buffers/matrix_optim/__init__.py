@@ -2,18 +2,20 @@
 block-diagonal Shampoo.
 
 Each rank updates exactly the part of each param it holds (a DTensor's local tensor, or a plain tensor
-taken as the whole param), with no communication and no gather: Muon needs its params whole on one rank,
+taken as the whole param), with no data-parallel communication and no gather (Muon gathers only the
+tensor-parallel shards of a TP-split matrix, by default): Muon needs its params whole on one rank,
 block Shampoo needs whole tiles, and both refuse, naming the shard-alignment policy that fixes it, a part
 that is not.
 """
 
 from .local import ParamOrigin, mark_param_origin
-from .muon import EMBEDDING_OR_HEAD_NAMES, NS_COEFFICIENTS, Muon, muon_param_groups, newton_schulz
+from .muon import EMBEDDING_OR_HEAD_NAMES, NS_COEFFICIENTS, TP_MODES, Muon, muon_param_groups, newton_schulz
 from .shampoo import BlockShampoo, inverse_fourth_root
 
 __all__ = [
     "EMBEDDING_OR_HEAD_NAMES",
     "NS_COEFFICIENTS",
+    "TP_MODES",
     "BlockShampoo",
     "Muon",
     "ParamOrigin",

@@ -52,9 +52,19 @@ class ParamOrigin:
     offsets: tuple[int, ...]
 
 
-def mark_param_origin(part: torch.Tensor, shape: torch.Size, offsets: tuple[int, ...]) -> None:
-    """Record on ``part`` which param it belongs to, so a matrix optimizer can check it is whole enough."""
+TENSOR_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim")
+"""Megatron's marks of a param split by tensor parallelism, which Muon reads to gather its shards."""
+
+
+def mark_param_origin(
+    part: torch.Tensor, shape: torch.Size, offsets: tuple[int, ...], param: torch.Tensor | None = None
+) -> None:
+    """Record on ``part`` which param it belongs to, so a matrix optimizer can check it is whole enough
+    (and, given the ``param``, its tensor-parallel marks, so Muon can gather its TP shards)."""
     setattr(part, PARAM_ORIGIN_ATTR, ParamOrigin(torch.Size(shape), tuple(offsets)))
+    for name in TENSOR_PARALLEL_ATTRS:
+        if param is not None and hasattr(param, name):
+            setattr(part, name, getattr(param, name))
 
 
 def _origin_stand_in(part: torch.Tensor) -> torch.Tensor | None:

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..shard_alignment import ShardAlignment
@@ -33,6 +34,12 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """(a, b, c) of the quintic Newton-Schulz step; the polynomial's slope at 0 is a, so small singular values
 grow fast (up to a^5, about 490 times, in 5 steps), at the price of oscillating within [0.68, 1.21]
 instead of converging to 1."""
+
+TP_MODES = ("duplicated", "blockwise")
+"""How Muon treats a matrix split over tensor-parallel ranks (Megatron's ``tensor_model_parallel`` params):
+``duplicated`` gathers the TP shards of its update and every TP rank orthogonalises the whole matrix (the
+same step as one process on the unsplit model); ``blockwise`` orthogonalises each shard on its own, with
+no communication (a different, block-diagonal optimizer)."""
 
 EMBEDDING_OR_HEAD_NAMES = ("embed", "lm_head", "output_layer")
 """Substrings of param names that :func:`muon_param_groups` leaves to AdamW."""
@@ -90,8 +97,12 @@ class Muon(LocalOptimizer):
     for the formulas). Every group's ``use_muon`` defaults to True; :func:`muon_param_groups` splits a
     model as Moonlight does.
 
-    Each rank updates only its local part of each param, without communication: a Muon param's local
-    tensor must be the whole matrix (gradsync-fsdp's ``shard_alignment='tensor'``) or empty (skipped).
+    Each rank updates only its local part of each param, without communication over data parallelism: a
+    Muon param's local tensor must be the whole matrix (gradsync's ``shard_alignment='tensor'``) or empty
+    (skipped). A matrix split by tensor parallelism (``tensor_model_parallel`` and ``partition_dim`` on it,
+    as Megatron marks them) is stepped per ``tp_mode`` (:data:`TP_MODES`) over ``tp_group``: with
+    ``duplicated`` (the default) the TP ranks all-gather its update and each takes its own rows or columns
+    of the whole matrix's Newton-Schulz result.
     Moonlight's learning rates are AdamW's (its update RMS is matched to AdamW's); the default ``lr`` is
     Muon's original 0.02. The Newton-Schulz iteration runs in ``ns_dtype`` (Moonlight uses bf16 on GPUs);
     state and the rest of the math are fp32, the result cast back into the param.
@@ -112,7 +123,13 @@ class Muon(LocalOptimizer):
         adamw_eps: float = 1e-8,
         ns_dtype: torch.dtype = torch.float32,
         use_muon: bool = True,
+        tp_group: dist.ProcessGroup | None = None,
+        tp_mode: str = "duplicated",
     ) -> None:
+        if tp_mode not in TP_MODES:
+            raise ValueError(f"Muon: tp_mode must be one of {', '.join(TP_MODES)}, got {tp_mode!r}")
+        self.tp_group = tp_group
+        """The tensor-parallel group of ``tensor_model_parallel`` params (None: no TP, or ``blockwise``)."""
         if lr < 0 or weight_decay < 0 or not 0 <= momentum < 1 or ns_steps < 0 or adamw_eps < 0:
             raise ValueError(
                 "Muon: need lr >= 0, weight_decay >= 0, 0 <= momentum < 1, ns_steps >= 0 and "
@@ -131,6 +148,7 @@ class Muon(LocalOptimizer):
             "adamw_eps": adamw_eps,
             "ns_dtype": ns_dtype,
             "use_muon": use_muon,
+            "tp_mode": tp_mode,
         }
         super().__init__(params, defaults)
 
@@ -177,10 +195,37 @@ class Muon(LocalOptimizer):
         momentum = group["momentum"]
         buffer.mul_(momentum).add_(grad)
         direction = grad.add(buffer, alpha=momentum) if group["nesterov"] else buffer
-        update = newton_schulz(direction, group["ns_steps"], group["ns_dtype"])
+        split = self._tensor_parallel_dim(piece, group)
+        if split is None:
+            update = newton_schulz(direction, group["ns_steps"], group["ns_dtype"])
+            matrix_shape = direction.shape
+        else:
+            assert self.tp_group is not None
+            whole = _gather_along(direction, split, self.tp_group)
+            width = direction.shape[split]
+            orthogonal = newton_schulz(whole, group["ns_steps"], group["ns_dtype"])
+            update = orthogonal.narrow(split, self.tp_group.rank() * width, width)
+            matrix_shape = whole.shape
         lr = float(group["lr"])
-        scaled_lr = lr * 0.2 * math.sqrt(max(grad.shape))
+        scaled_lr = lr * 0.2 * math.sqrt(max(matrix_shape))
         apply_update(piece.local, update, scaled_lr, lr * float(group["weight_decay"]))
+
+    def _tensor_parallel_dim(self, piece: LocalPiece, group: dict[str, Any]) -> int | None:
+        """The dim of the (rows, -1) matrix view along which TP splits the param, when its shards are to be
+        gathered (``duplicated``, a TP group of more than one rank, a ``tensor_model_parallel`` param)."""
+        tp = self.tp_group
+        if tp is None or tp.size() == 1 or group["tp_mode"] != "duplicated":
+            return None
+        if not getattr(piece.layout, "tensor_model_parallel", False):
+            return None
+        dim = int(getattr(piece.layout, "partition_dim", 0))
+        if dim != 0 and not (dim == 1 and piece.layout.dim() == 2):
+            raise ValueError(
+                f"Muon: param {piece.index} of shape {tuple(piece.layout.shape)} is split by tensor "
+                f"parallelism along dim {dim}; Muon views a param as (shape[0], -1), so only dim 0 or a "
+                "matrix's dim 1 can be gathered: use tp_mode='blockwise' or a use_muon=False group"
+            )
+        return dim
 
     def _adamw_state(self, piece: LocalPiece) -> dict[str, Any]:
         state: dict[str, Any] = self.state[piece.param]
@@ -208,6 +253,13 @@ class Muon(LocalOptimizer):
         weights.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
         if weights is not piece.local:
             piece.local.copy_(weights)
+
+
+def _gather_along(shard: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole matrix from every TP rank's ``shard`` (the same shape on each), in TP-rank order."""
+    pieces = [torch.empty_like(shard) for _ in range(group.size())]
+    dist.all_gather(pieces, shard.contiguous(), group=group)
+    return torch.cat(pieces, dim)
 
 
 def _check_muon_param(index: int, param: torch.Tensor, local: torch.Tensor) -> None:
