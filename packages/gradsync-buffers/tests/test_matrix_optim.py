@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from gradsync.buffers import BlockShampoo, Muon, muon_param_groups
-from gradsync.buffers.checkpointing import describe_chunk, materialize_optimizer_state
+from gradsync.buffers.checkpointing import contiguous_stride, describe_chunk, materialize_optimizer_state
 from gradsync.buffers.matrix_optim import inverse_fourth_root, newton_schulz
 from gradsync.buffers.matrix_optim.local import local_tensor
 from gradsync.groups.testing import run_distributed
@@ -648,3 +648,9 @@ def test_muon_steps_tensor_parallel_shards_like_one_process(world: int, tp_mode:
 def test_tp_mode_and_split_dims_are_checked() -> None:
     with pytest.raises(ValueError, match="tp_mode must be one of duplicated, blockwise"):
         Muon([nn.Parameter(torch.zeros(2, 2))], tp_mode="gathered")
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (3, 4), (0, 3), (3, 0), (2, 0, 5), (1, 1, 1), (4, 6, 2)])
+def test_contiguous_stride_is_torch_own(shape: tuple[int, ...]) -> None:
+    """The strides DTensors built from shards are given (a 0-sized dim counts as 1, as torch's)."""
+    assert contiguous_stride(shape) == torch.empty(shape).stride()

@@ -23,6 +23,17 @@ from torch.distributed.tensor import DTensor, Shard
 TensorT = TypeVar("TensorT", bound=torch.Tensor)
 
 
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (as torch gives them: a 0-sized dim counts as 1),
+    for a DTensor built from a shard whose global shape is given (``DTensor.from_local(shape=...)``)."""
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
 def describe_chunk(value: TensorT, offsets: Sequence[int]) -> TensorT:
     """Attach to the DTensor ``value`` that its local tensor starts at global ``offsets``; returns it.
     Replicated DTensors and plain tensors are returned as they are (DCP's own description is right)."""

@@ -29,11 +29,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_map_only
 
 from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.buffers.matrix_optim.local import local_tensor
 from gradsync.buffers.shard_alignment import ShardAlignmentSpec
 from gradsync.groups import FSDPDistributedIndex
 
@@ -101,7 +102,7 @@ class _Root:
         zeroed) would be summed into the next step in torch; the buffers hold one cycle, so refuse."""
         if not self.fsdp._reductions.stepped:
             return
-        named = [(n, _local(p.grad)) for n, p in self.fsdp.named_parameters() if p.grad is not None]
+        named = [(n, local_tensor(p.grad)) for n, p in self.fsdp.named_parameters() if p.grad is not None]
         norms = torch._foreach_norm([grad for _, grad in named]) if named else []
         # one all-reduced flag: every rank refuses alike (a rank whose shards are all empty would
         # otherwise go on into the forward's gathers), and one host read per step, not one per param
@@ -588,10 +589,6 @@ def _cast_at_boundaries(module: nn.Module, policy: MixedPrecisionPolicy) -> None
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 # --- the module class ------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
+from gradsync.buffers.checkpointing import contiguous_stride
 from gradsync.buffers.shard_alignment import SHARD_ALIGNMENT_ATTR
 
 from .bucket import FlatParamBucket
@@ -39,15 +40,11 @@ CARRIED_ATTRIBUTES = (
 )
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    return torch.empty(shape, device="meta").stride()
-
-
 def as_dtensor(
     local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size, placements: Sequence[Placement]
 ) -> DTensor:
     return DTensor.from_local(
-        local, mesh, placements, run_check=False, shape=shape, stride=_contiguous_stride(shape)
+        local, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape)
     )
 
 

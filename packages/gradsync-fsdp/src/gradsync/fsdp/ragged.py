@@ -38,6 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from gradsync.buffers.checkpointing import contiguous_stride
+
 __all__ = ["RaggedDTensor", "RaggedShard", "reshard", "shard_placement"]
 
 
@@ -230,8 +232,7 @@ class RaggedDTensor(DTensor):
         """``local`` (no autograd history, as gradsync's buffer views) as a shard of ``shape``: the label
         puts ``Shard(dim)`` where ``ragged_placements`` has a ragged split."""
         label = [Shard(p.dim) if isinstance(p, RaggedShard) else p for p in ragged_placements]
-        stride = torch.empty(shape, device="meta").stride()
-        spec = DTensorSpec(mesh, tuple(label), TensorMeta(shape, stride, local.dtype))
+        spec = DTensorSpec(mesh, tuple(label), TensorMeta(shape, contiguous_stride(shape), local.dtype))
         return RaggedDTensor._of(local.view_as(local), spec, ragged_placements, local.requires_grad)
 
     @staticmethod

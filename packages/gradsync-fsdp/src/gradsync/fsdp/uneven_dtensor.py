@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from gradsync.buffers.checkpointing import describe_chunk
+from gradsync.buffers.checkpointing import contiguous_stride, describe_chunk
 
 from .dcp import FIRST_ROW
 
@@ -367,14 +367,10 @@ def split_dtensor(
             dtensor.placements,
             run_check=False,
             shape=global_shape,
-            stride=_contiguous_stride(global_shape),
+            stride=contiguous_stride(global_shape),
         )
         if update_uneven_dtensor_chunk_meta:
             offsets = list(chunk.offsets)
             offsets[dim] = lo - start if hi > lo else 0
             _attach(sub, ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=piece.shape))
         yield sub
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    return tuple(torch.empty(shape, device="meta").stride())

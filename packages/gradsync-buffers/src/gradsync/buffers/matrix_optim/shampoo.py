@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from ..checkpointing import describe_chunk
+from ..checkpointing import contiguous_stride, describe_chunk
 from ..shard_alignment import ShardAlignment, row_size
 from .local import LocalOptimizer, LocalPiece, apply_update, local_offsets, local_tensor, zeros_like_param
 
@@ -290,10 +290,6 @@ def _tile_stats(
         for p in param.placements
     ]
     stats = DTensor.from_local(
-        zeros, param.device_mesh, placements, run_check=False, shape=tiles, stride=_contiguous_stride(tiles)
+        zeros, param.device_mesh, placements, run_check=False, shape=tiles, stride=contiguous_stride(tiles)
     )
     return describe_chunk(stats, [*origin, 0, 0])
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    return tuple(torch.empty(shape, device="meta").stride())
