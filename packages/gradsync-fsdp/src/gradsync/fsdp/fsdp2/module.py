@@ -1,0 +1,246 @@
+"""``FSDPModule``: the class ``fully_shard`` swaps in, with the FSDP2 methods that map onto MegatronFSDP;
+the others raise, naming the way out."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from ..bucket import FlatParamBucket
+from ..megatron_fsdp import MegatronFSDP
+from . import root as _roots
+from .state import _Root, _state
+
+
+class UnshardHandle:
+    """What ``unshard(async_op=True)`` returns: ``wait()`` waits for its gathers."""
+
+    def __init__(self, buckets: list[FlatParamBucket]) -> None:
+        self._buckets = buckets
+
+    def wait(self) -> None:
+        for bucket in self._buckets:
+            bucket.wait_gather()
+        self._buckets = []
+
+
+def _not_supported(name: str, advice: str) -> Callable[..., NoReturn]:
+    """An FSDPModule method gradsync has no counterpart for: it raises, saying what to do instead."""
+
+    def method(self: nn.Module, *args: Any, **kwargs: Any) -> NoReturn:
+        raise NotImplementedError(f"{type(self).__name__}.{name}() is not supported by gradsync: {advice}")
+
+    method.__name__ = name
+    return method
+
+
+_PREFETCH = "units are prefetched in order: set megatron_fsdp_of(model).suggested_AG_prefetch_size"
+_COMMS = "gradsync's collectives come from gradsync-buffers, chosen per backend"
+
+
+class FSDPModule(nn.Module):
+    """What ``fully_shard`` makes of a module (its class becomes ``FSDP<Class>``, this first in the
+    MRO), with the FSDP2 methods that map onto MegatronFSDP; the others raise, naming the way out."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """``FSDP<Class>(...)`` (containers rebuild themselves with ``type(self)(...)`` when sliced)
+        builds a plain ``<Class>``, which no fully_shard call has seen."""
+        original: Any = cls.__mro__[2]
+        instance = original.__new__(original)
+        instance.__init__(*args, **kwargs)
+        return instance
+
+    def _fsdp2_root(self) -> _Root:
+        state = _state(self)
+        return state.root if state.root is not None else _roots._resolve_alone(self, forward=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        state = _state(self)
+        if state.root is None and not state.building:
+            _roots._resolve_alone(self, forward=True)
+        return super().__call__(*args, **kwargs)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """A mark read on its own (say, to build its optimizer) becomes a root first: its params are the
+        optimizer's DTensors then, as torch's right after fully_shard."""
+        state = _state(self)
+        if state.root is None and not state.building:
+            _roots._resolve_alone(self, forward=False)
+        return super().named_parameters(prefix, recurse, remove_duplicate)
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        state = _state(self)
+        if state.root is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__}: moving or casting (to(), cuda(), float(), to_empty(), ...) after "
+                "fully_shard is not supported: the params are views of gradsync's flat buffers; do it "
+                "before fully_shard"
+            )
+        return super()._apply(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
+    ) -> _IncompatibleKeys:
+        """The root's params from whole tensors or DTensor shards of the same layout, through
+        MegatronFSDP (which installs the compute weights; ``ignored_params`` are copied as they are)."""
+        state = _state(self)
+        root = self._fsdp2_root()
+        if state.unit_id is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__}.load_state_dict on a unit: load the root's state dict (keys as "
+                "model.state_dict() gives them)"
+            )
+        ignored = {name: p for name, p in self.named_parameters() if p in root.ignored}
+        result = root.fsdp.load_state_dict(
+            {f"module.{k}": v for k, v in state_dict.items() if k not in ignored}, strict=False, assign=assign
+        )
+        with torch.no_grad():
+            for name, param in ignored.items():
+                if name in state_dict:
+                    param.copy_(state_dict[name])
+        missing = [k for k in (k.removeprefix("module.") for k in result.missing_keys) if k not in ignored]
+        missing += [name for name in ignored if name not in state_dict]
+        unexpected = [k.removeprefix("module.") for k in result.unexpected_keys]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"{type(self).__name__}.load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
+            )
+        return _IncompatibleKeys(missing, unexpected)
+
+    # --- gradient sync ----------------------------------------------------------------------------
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: the next backwards accumulate without ending the cycle (gradsync's ``no_sync``; ZeRO-2/3
+        still reduce-scatter each backward, summed in the shard). True: a backward reduces everything and
+        gives the DTensors their grads."""
+        root = self._fsdp2_root()
+        if _state(self).unit_id is not None or not recurse:
+            raise NotImplementedError(
+                f"{type(self).__name__}.set_requires_gradient_sync on a unit or with recurse=False: gradsync "
+                "syncs all the units of a root together; call model.set_requires_gradient_sync(flag) on "
+                "the root"
+            )
+        root.requires_gradient_sync = requires_gradient_sync
+        root.apply_flags()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """False: the next backwards do not end the cycle even with gradient sync on (grads are reduced
+        but not yet handed to the DTensors). Shared by the whole root, as in torch."""
+        root = self._fsdp2_root()
+        root.is_last_backward = is_last_backward
+        root.apply_flags()
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """Accepted and ignored: gradsync's HSDP all-reduce already runs once per cycle, in its last
+        backward, which is what this is for."""
+        self._fsdp2_root()
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Accepted and ignored: gradsync always reduces every bucket on every rank, so params unused on
+        some ranks never mismatch the collectives."""
+        self._fsdp2_root()
+
+    # --- gathers and releases ---------------------------------------------------------------------
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Per unit under ZeRO-3 (released after forward or kept until its backward); the root's own
+        params are always kept. A ZeRO-2 root (every unit built with False) cannot start resharding."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be a bool, not {reshard_after_forward!r}")
+        state = _state(self)
+        if state.root is None:  # not built yet: the root call reads it
+            state.call = dataclasses.replace(state.call, reshard_after_forward=reshard_after_forward)
+            return
+        fsdp = self._fsdp2_root().fsdp
+        if not fsdp.sharding.shard_params:
+            if reshard_after_forward:
+                raise NotImplementedError(
+                    f"{type(self).__name__}.set_reshard_after_forward(True): this root was built with "
+                    "reshard_after_forward=False on every unit, so gradsync keeps whole weights (ZeRO-2) "
+                    "and cannot start resharding; pass True to fully_shard on the units instead"
+                )
+            return
+        if state.unit_id is not None:
+            unit_ids = [state.unit_id]
+        else:
+            unit_ids = list(range(len(fsdp.units))) if recurse else []
+        for unit_id in unit_ids:
+            if reshard_after_forward:
+                fsdp.units_kept_after_forward.discard(unit_id)
+            else:
+                fsdp.units_kept_after_forward.add(unit_id)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Accepted when it says what the root does: ZeRO-3 releases after every backward, ZeRO-2
+        never does."""
+        fsdp = self._fsdp2_root().fsdp
+        if reshard_after_backward != fsdp.sharding.shard_params:
+            does = "releases its weights after every backward" if fsdp.sharding.shard_params else "never"
+            raise NotImplementedError(
+                f"{type(self).__name__}.set_reshard_after_backward({reshard_after_backward}): this root "
+                f"{does} ({fsdp.sharding.name}); choose at fully_shard: reshard_after_forward=False "
+                "on every unit keeps whole weights (ZeRO-2), True on some unit releases them (ZeRO-3)"
+            )
+
+    def _own_buckets(self) -> tuple[MegatronFSDP, list[FlatParamBucket]]:
+        """This module's buckets: a unit's, or the root's own (outside every unit)."""
+        fsdp = self._fsdp2_root().fsdp
+        unit_id = _state(self).unit_id
+        return fsdp, [b for b in fsdp.buckets if b.spec.unit_id == unit_id]
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this module's weights (not recursive); with ``async_op`` the handle waits. They are
+        used from the module's next forward on (the module shows its DTensors until then)."""
+        fsdp, buckets = self._own_buckets()
+        params = [p for bucket in buckets for p in bucket.spec.params]
+        fsdp.all_gather_and_wait_parameters_ready(params, prefetch=False, wait_bucket_ready=not async_op)
+        handle = UnshardHandle(buckets)
+        return handle if async_op else None
+
+    def reshard(self) -> None:
+        """Release this module's gathered weights (ZeRO-3; not recursive)."""
+        _, buckets = self._own_buckets()
+        for bucket in buckets:
+            bucket.release()
+
+    set_modules_to_forward_prefetch = _not_supported("set_modules_to_forward_prefetch", _PREFETCH)
+    set_modules_to_backward_prefetch = _not_supported("set_modules_to_backward_prefetch", _PREFETCH)
+    set_custom_all_gather = _not_supported("set_custom_all_gather", _COMMS)
+    set_custom_reduce_scatter = _not_supported("set_custom_reduce_scatter", _COMMS)
+    set_allocate_memory_from_process_group_for_comm = _not_supported(
+        "set_allocate_memory_from_process_group_for_comm", _COMMS
+    )
+    set_symm_mem_for_comm = _not_supported("set_symm_mem_for_comm", _COMMS)
+    set_separate_reduce_scatter_group = _not_supported("set_separate_reduce_scatter_group", _COMMS)
+    set_reduce_scatter_max_input_buffers = _not_supported(
+        "set_reduce_scatter_max_input_buffers",
+        "ZeRO-2/3's reductions in flight are bounded by megatron_fsdp_of(model).suggested_RS_queue_capacity",
+    )
+    set_force_sum_reduction_for_comms = _not_supported("set_force_sum_reduction_for_comms", _COMMS)
+    set_all_reduce_hook = _not_supported(
+        "set_all_reduce_hook", "gradsync runs HSDP's outer all-reduce itself (outer_dp_sharding_strategy)"
+    )
+    set_gradient_divide_factor = _not_supported(
+        "set_gradient_divide_factor",
+        "grads are averaged over the data-parallel ranks; scale the loss instead",
+    )
+    set_reduce_scatter_divide_factor = _not_supported(
+        "set_reduce_scatter_divide_factor",
+        "grads are averaged over the data-parallel ranks; scale the loss instead",
+    )
+    set_unshard_in_backward = _not_supported(
+        "set_unshard_in_backward", "a ZeRO-3 unit is gathered for its backward whenever it was released"
+    )
+    set_post_optim_event = _not_supported(
+        "set_post_optim_event", "the first forward after a step installs and gathers on the current stream"
+    )
+    reset_iter_state = _not_supported(
+        "reset_iter_state", "after a failed forward or backward, rebuild the model and optimizer"
+    )

@@ -1,0 +1,106 @@
+"""What ``fully_shard`` records: each call's arguments, each module's state and the root's flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from gradsync.buffers.matrix_optim.local import local_tensor
+from gradsync.buffers.shard_alignment import ShardAlignmentSpec
+
+from ..megatron_fsdp import MegatronFSDP
+
+STATE_ATTR = "_gradsync_fsdp2"
+"""Where a module passed to ``fully_shard`` keeps its :class:`State`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One ``fully_shard`` call's arguments, after the refusals."""
+
+    mesh: DeviceMesh | None
+    reshard_after_forward: bool | None
+    mp_policy: MixedPrecisionPolicy
+    ignored_params: frozenset[nn.Parameter]
+    outer_dp_sharding_strategy: str
+    shard_alignment: ShardAlignmentSpec = None
+
+    def shared(self) -> dict[str, object]:
+        """What every call of one root must agree on: it shapes the buckets all units share."""
+        return {
+            "mesh": self.mesh,
+            "mp_policy.param_dtype": self.mp_policy.param_dtype,
+            "mp_policy.reduce_dtype": self.mp_policy.reduce_dtype,
+            "outer_dp_sharding_strategy": self.outer_dp_sharding_strategy,
+        }
+
+
+class _Root:
+    """The MegatronFSDP of a root call and the FSDP2 flags that decide where an accumulation cycle ends."""
+
+    def __init__(self, fsdp: MegatronFSDP, ignored: frozenset[nn.Parameter]) -> None:
+        self.fsdp = fsdp
+        self.ignored = ignored
+        self.requires_gradient_sync = True
+        self.is_last_backward = True
+        self.apply_flags()
+
+    def apply_flags(self) -> None:
+        """Without gradient sync the backward defers what it can (``no_sync``); a backward with sync that
+        is also the last one reduces everything and gives the DTensors their grads (auto-sync)."""
+        self.fsdp.is_last_microbatch = self.requires_gradient_sync
+        self.fsdp.set_model_auto_sync(self.requires_gradient_sync and self.is_last_backward)
+
+    def start_cycle_after_step(self, module: nn.Module, args: Any) -> None:
+        """A forward after an optimizer step starts a new cycle: torch users zero the DTensors' grads
+        (``optimizer.zero_grad()``), gradsync must zero its grad buffers too. Grads still set (not
+        zeroed) would be summed into the next step in torch; the buffers hold one cycle, so refuse."""
+        if not self.fsdp._reductions.stepped:
+            return
+        named = [(n, local_tensor(p.grad)) for n, p in self.fsdp.named_parameters() if p.grad is not None]
+        norms = torch._foreach_norm([grad for _, grad in named]) if named else []
+        # one all-reduced flag: every rank refuses alike (a rank whose shards are all empty would
+        # otherwise go on into the forward's gathers), and one host read per step, not one per param
+        kept = torch.stack(list(norms)).sum() if norms else torch.zeros((), device=self.fsdp.device)
+        dist.all_reduce(kept, op=dist.ReduceOp.MAX, group=self.fsdp.dist_index.get_dp_group())
+        if float(kept) > 0:
+            first = next((n for (n, _), norm in zip(named, norms, strict=True) if float(norm) > 0), "?")
+            raise RuntimeError(
+                "fully_shard: a forward after optimizer.step() found grads still set (first "
+                f"{first.removeprefix('module.')!r} here, or on another rank): gradsync's grad buffers hold "
+                "one accumulation cycle, so grads cannot carry over to the next step; call "
+                "optimizer.zero_grad() after optimizer.step()"
+            )
+        self.fsdp.zero_grad_buffer()
+
+
+@dataclasses.dataclass
+class _State:
+    """What ``fully_shard`` recorded on a module: its call, and once built, its root and unit id (None
+    for the root itself). ``building`` while a MegatronFSDP is being laid out over it."""
+
+    call: _Call
+    root: _Root | None = None
+    unit_id: int | None = None
+    building: bool = False
+
+
+_PENDING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Marked modules no root call has covered yet."""
+
+
+def _state(module: nn.Module) -> _State:
+    state = module.__dict__.get(STATE_ATTR)
+    assert isinstance(state, _State), "a module fully_shard recorded"
+    return state
+
+
+def _is_root(state: _State) -> bool:
+    return state.root is not None and state.unit_id is None
