@@ -11,10 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
+from gradsync.buffers.matrix_optim import newton_schulz
 from gradsync.buffers.plan import PUBLISHED, LinkCosts, predict, recommend_bucket_size, specs_from_shapes
 from gradsync.buffers.plan.__main__ import gpt_shapes, gpt_units, module_shapes
+from gradsync.buffers.plan.muon import busiest_rank_flops, newton_schulz_flops
 from gradsync.buffers.plan.predict import ADAM_STATE_BYTES, FP32, bucket_sizes
 from gradsync.buffers.shard_alignment import parse_shard_alignment
 
@@ -142,3 +146,36 @@ def test_padding_of_shard_alignment_policies(strategy: str) -> None:
         assert padded % 8 == 0
     assert got["row"].padding_bytes < got["block:16x64"].padding_bytes < got["tensor"].padding_bytes
     assert got["row"].wire_bytes < got["tensor"].wire_bytes
+
+
+@pytest.mark.parametrize("shape", [(12, 40), (40, 12), (16, 4, 5), (7, 7)])
+def test_newton_schulz_flops_count_the_matmuls_muon_runs(shape: tuple[int, ...]) -> None:
+    """The formula against torch's own FLOP counter over gradsync's Newton-Schulz on such a matrix."""
+    matrix = torch.randn(shape[0], math.prod(shape[1:]))
+    with FlopCounterMode(display=False) as counter:
+        newton_schulz(matrix, steps=5)
+    assert newton_schulz_flops(shape, steps=5) == counter.get_total_flops()
+
+
+def test_busiest_rank_takes_the_largest_matrices_first() -> None:
+    shapes = [[4, 4], [8, 8], [8, 8], [16, 16], [3]]  # the 1-D param stays with AdamW
+    each = [newton_schulz_flops(s) for s in shapes[:4]]
+    assert busiest_rank_flops(shapes, 1) == sum(each)
+    assert busiest_rank_flops(shapes, 64) == max(each)  # more ranks than matrices: the largest alone
+    # two ranks: the 16x16 on one, both 8x8 and the 4x4 on the other, whichever is heavier
+    assert busiest_rank_flops(shapes, 2) == max(each[3], each[0] + each[1] + each[2])
+    with pytest.raises(ValueError, match="dp must be at least 1"):
+        busiest_rank_flops(shapes, 0)
+
+
+def test_command_line_reports_muon_on_the_busiest_rank() -> None:
+    command = [sys.executable, "-m", "gradsync.buffers.plan", "--gpt", "64", "2", "100", "--dp", "2", "8"]
+    out = subprocess.run(
+        [*command, "--strategy", "distopt", "--muon-tflops", "1", "--forward-ms", "1", "--backward-ms", "2"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = [line for line in out.stdout.split("Muon")[-1].splitlines() if line.startswith("| 2 ")]
+    flops = busiest_rank_flops(gpt_shapes(64, 2, 100)[1:], 2)
+    assert rows == [f"| 2 | {flops / 1e9:.1f} | {flops / 1e9:.2f} | {(3e-3 + flops / 1e12) / 3e-3:.3f}x |"]

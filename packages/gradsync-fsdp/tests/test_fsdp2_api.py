@@ -632,3 +632,33 @@ def test_torchtitan_checkpoints_reshard_across_dp_sizes(
     uninterrupted = run_distributed(titan_save, saved, args=(directory, name))[0]
     for rank, weights in enumerate(run_distributed(titan_load, loaded, args=(directory, name))):
         assert max_relative_difference(weights, uninterrupted) <= 1e-6, rank
+
+
+def compiled_loop(where: str) -> dict[str, torch.Tensor]:
+    """torchtitan's loop with ``torch.compile`` (aot_eager: no C++ toolchain needed): each block compiled
+    before ``fully_shard`` (torchtitan's order), or the whole sharded model after it."""
+    torch._dynamo.reset()
+    model = TinyTransformer()
+    if where == "blocks":
+        for index, block in enumerate(model.blocks):
+            model.blocks[index] = torch.compile(block, backend="aot_eager")  # type: ignore[assignment]
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    runnable: nn.Module = torch.compile(model, backend="aot_eager") if where == "model" else model  # type: ignore[assignment]
+    optimizer = make_optimizer(model.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(STEPS):
+        batches = local_microbatches(step, rank, world, MICRO)
+        for i, batch in enumerate(batches):
+            model.set_requires_gradient_sync(i == len(batches) - 1)  # type: ignore[operator]
+            (runnable(batch) / MICRO).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return whole_weights(model)
+
+
+@pytest.mark.parametrize("where", ["model", "blocks"])
+def test_torch_compile_trains_like_one_process(where: str) -> None:
+    for rank, weights in enumerate(run_distributed(compiled_loop, 2, args=(where,))):
+        assert max_relative_difference(weights, reference(2)) <= 1e-6, rank

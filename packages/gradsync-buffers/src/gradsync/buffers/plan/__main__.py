@@ -23,6 +23,7 @@ from ..layout import ParamSpec
 from ..shard_alignment import parse_shard_alignment
 from . import calibrate
 from .costs import PUBLISHED, LinkCosts
+from .muon import busiest_rank_flops
 from .predict import STRATEGIES, Prediction, predict, recommend_bucket_size, specs_from_shapes
 
 CANDIDATES = (1_000_000, 4_000_000, 10_000_000, 25_000_000, 40_000_000, 100_000_000)
@@ -101,6 +102,13 @@ def main() -> None:
     )
     parser.add_argument("--forward-ms", type=float, default=0.0)
     parser.add_argument("--backward-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--muon-tflops",
+        type=float,
+        help="matmul TFLOP/s of a rank: add Muon's Newton-Schulz time on the busiest rank (every matrix "
+        "whole on one rank, as with --shard-alignment tensor; with --gpt, all but the embedding) beside "
+        "--forward-ms + --backward-ms",
+    )
     args = parser.parse_args()
     if args.calibrate:
         measured = calibrate.measure()
@@ -137,6 +145,25 @@ def main() -> None:
                 continue
             best = recommend_bucket_size(specs, dp, costs, strategy, CANDIDATES, forward, backward)
             print(row(p, f"{best.bucket_size / 1e6:g}M"))
+    if args.muon_tflops:  # --gpt: its tied embedding (the first shape) stays with AdamW, as Moonlight's
+        print_muon(shapes[1:] if args.gpt else shapes, args.dp, args.muon_tflops, forward + backward)
+
+
+def print_muon(shapes: list[list[int]], dps: list[int], tflops: float, compute_seconds: float) -> None:
+    """Muon's Newton-Schulz on the busiest rank, and the step it makes against the same step with an
+    element-wise optimizer (forward + backward given; the optimizers' own element-wise math left out)."""
+    print(f"\nMuon (5 Newton-Schulz steps, every matrix whole on one rank, {tflops:g} TFLOP/s per rank)\n")
+    print("| dp | NS GFLOP busiest rank | NS ms | step vs AdamW |")
+    print("|---|---|---|---|")
+    for dp in dps:
+        flops = busiest_rank_flops(shapes, dp)
+        seconds = flops / (tflops * 1e12)
+        ratio = (
+            f"{(compute_seconds + seconds) / compute_seconds:.3f}x"
+            if compute_seconds
+            else "- (no --forward-ms)"
+        )
+        print(f"| {dp} | {flops / 1e9:.1f} | {seconds * 1e3:.2f} | {ratio} |")
 
 
 if __name__ == "__main__":
