@@ -428,9 +428,9 @@ def step_sharded(
         start = sum(r[: dist.get_rank()])
         out.append((param.to_local().detach().cpu(), twin.detach()[start : start + r[dist.get_rank()]].cpu()))
         holds = r[dist.get_rank()] > 0
-        # Muon keeps (empty) state where a rank holds nothing, as torch's optimizers do (lent_step drops
-        # what a lent step creates); Shampoo keeps none
-        assert (param in opts[0].state) == (holds or (name == "muon" and not lend))
+        # both keep (empty) state where a rank holds nothing, as torch's optimizers do (lent_step drops
+        # what a lent step creates)
+        assert (param in opts[0].state) == (holds or not lend)
         assert (
             all(local_tensor(v).numel() == 0 for v in opts[0].state.get(param, {}).values() if v.dim())
             or holds

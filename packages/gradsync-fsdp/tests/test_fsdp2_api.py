@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from gradsync.buffers.matrix_optim import Muon, muon_param_groups
+from gradsync.buffers.matrix_optim import BlockShampoo, Muon, muon_param_groups
 from gradsync.fsdp import MixedPrecisionPolicy as GradsyncPrecision
 from gradsync.fsdp import uneven_dtensor_to_full_tensor
 from gradsync.fsdp.fsdp2 import (
@@ -576,12 +576,14 @@ def titan_model(world: int, seed: int, optimizer: str) -> tuple[nn.Module, torch
     from gradsync's local optimizer)."""
     model = TinyTransformer(seed)
     mesh = dp_mesh((world,))
-    alignment = "tensor" if optimizer == "muon" else None
+    alignment = {"muon": "tensor", "shampoo": "block:4x6"}.get(optimizer)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, shard_alignment=alignment)
     fully_shard(model, mesh=mesh, shard_alignment=alignment)
     if optimizer == "muon":
         return model, Muon(muon_param_groups(model), lr=0.02, weight_decay=0.1, adamw_eps=1e-4)
+    if optimizer == "shampoo":
+        return model, BlockShampoo(model.parameters(), lr=0.05, block_size=(4, 6), eps=1e-6)
     return model, make_optimizer(model.parameters())
 
 
@@ -620,7 +622,16 @@ def titan_load(directory: str, name: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("saved", "loaded", "name"), [(2, 2, "sgd"), (2, 4, "sgd"), (4, 2, "sgd"), (2, 4, "muon"), (4, 2, "muon")]
+    ("saved", "loaded", "name"),
+    [
+        (2, 2, "sgd"),
+        (2, 4, "sgd"),
+        (4, 2, "sgd"),
+        (2, 4, "muon"),
+        (4, 2, "muon"),
+        (2, 2, "shampoo"),
+        (2, 4, "shampoo"),
+    ],
 )
 def test_torchtitan_checkpoints_reshard_across_dp_sizes(
     saved: int, loaded: int, name: str, tmp_path: Path

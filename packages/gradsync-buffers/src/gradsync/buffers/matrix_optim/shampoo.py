@@ -167,13 +167,19 @@ class BlockShampoo(LocalOptimizer):
             "(or 'tensor')"
         )
 
-    def step_piece(self, piece: LocalPiece, group: dict[str, Any]) -> None:
+    def _state_of(self, piece: LocalPiece, group: dict[str, Any]) -> dict[str, Any]:
+        """The param's state, made at its first step: moments shaped like it, statistics per tile."""
         param, layout, local = piece.param, piece.layout, piece.local
-        block, origin = _local_tiling(piece, group["block_size"])
-        r, c = block
-        rows, cols = matrix_shape(local.shape)
-        state = self.state[param]
+        state: dict[str, Any] = self.state[param]
         if not state:
+            if local.numel():
+                block, origin = _local_tiling(piece, group["block_size"])
+            else:  # no tile here, so none to check: the statistics are empty
+                whole_rows, whole_cols = matrix_shape(layout.shape)
+                size = group["block_size"]
+                block, origin = (min(size[0], whole_rows), min(size[1], whole_cols)), (0, 0)
+            r, c = block
+            rows, cols = matrix_shape(local.shape)
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = zeros_like_param(param, local)
             grid = (math.ceil(rows / r), math.ceil(cols / c))
@@ -181,6 +187,18 @@ class BlockShampoo(LocalOptimizer):
                 state[name] = _tile_stats(layout, local, (*grid, side, side), origin, block)
         if group["grafting"] == "adam" and "exp_avg_sq" not in state:
             state["exp_avg_sq"] = zeros_like_param(param, local)
+        return state
+
+    def step_empty_piece(self, piece: LocalPiece, group: dict[str, Any]) -> None:
+        """Empty state (no tiles here) and a step counter that moves with the other ranks'."""
+        self._state_of(piece, group)["step"] += 1
+
+    def step_piece(self, piece: LocalPiece, group: dict[str, Any]) -> None:
+        local = piece.local
+        block = _local_tiling(piece, group["block_size"])[0]
+        r, c = block
+        rows, cols = matrix_shape(local.shape)
+        state = self._state_of(piece, group)
         state["step"] += 1
         step = float(state["step"])
         beta1, beta2 = group["betas"]
