@@ -98,6 +98,61 @@ def test_torch_ops_on_ragged_pieces_equal_the_whole_tensor(
         assert torch.equal(out["dcp"][1], piece(full, OTHER_SIZES[world], rank)), rank
 
 
+TABLE = ((3, 0), (5, 1))  # HFSDP's 2 x 2 split: TABLE[inner][outer] rows, laid out inner first
+OTHER_TABLE = ((0, 6), (1, 2))
+
+
+def inner_first(local: torch.Tensor, table: tuple[tuple[int, ...], ...], shape: torch.Size) -> RaggedDTensor:
+    """On an (outer, inner) mesh: inner shard i is outer pieces i*M ... i*M+M-1 (HFSDP's order)."""
+    mesh = init_device_mesh(test_device().type, (2, 2))
+    inner = mesh.get_local_rank(1)
+    placements = [RaggedShard(0, table[inner]), RaggedShard(0, [sum(row) for row in table])]
+    return RaggedDTensor.wrap(local, mesh, shape, placements, mesh_dim_order=(1, 0))
+
+
+def flat(table: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    return tuple(size for row in table for size in row)
+
+
+def inner_first_ops(dtype: torch.dtype, directory: str) -> dict[str, Any]:
+    full = whole(4, dtype).to(test_device())
+    outer, inner = divmod(dist.get_rank(), 2)  # the mesh's coordinate
+    tensor = inner_first(piece(full, flat(TABLE), inner * 2 + outer).clone(), TABLE, full.shape)
+    mesh = tensor.device_mesh
+    out: dict[str, Any] = {"full_tensor": tensor.full_tensor()}
+    out["by_column"] = tensor.redistribute(mesh, [Replicate(), Shard(1)]).to_local()
+    out["to_torch"] = tensor.redistribute(mesh, [Shard(0), Shard(0)]).to_local()
+    other = inner_first(torch.zeros(0), OTHER_TABLE, full.shape)
+    out["to_other"] = reshard(tensor, other.ragged_placements, mesh_dim_order=(1, 0)).to_local()
+    replicated = distribute_tensor(full, mesh, [Replicate(), Replicate()])
+    out["from_whole"] = reshard(replicated, tensor.ragged_placements, mesh_dim_order=(1, 0)).to_local()
+    dcp.save({"w": tensor}, checkpoint_id=directory)
+    into_torch = {"w": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0), Shard(0)])}
+    mine = piece(full, flat(OTHER_TABLE), inner * 2 + outer)
+    into_other = {"w": inner_first(torch.zeros_like(mine), OTHER_TABLE, full.shape)}
+    dcp.load(into_torch, checkpoint_id=directory)
+    dcp.load(into_other, checkpoint_id=directory)
+    out["dcp"] = (into_torch["w"].full_tensor(), into_other["w"].to_local())
+    return {k: tuple(t.cpu() for t in v) if isinstance(v, tuple) else v.cpu() for k, v in out.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inner_first_splits_move_like_the_whole_tensor(dtype: torch.dtype, tmp_path: Path) -> None:
+    """HFSDP's layout (inner shard first, ragged at both levels) through torch's own gather, redistribute
+    and DCP; its cut in torch's left-to-right order would put other rows on ranks 1 and 2."""
+    full = whole(4, dtype)
+    for rank, out in enumerate(run_distributed(inner_first_ops, 4, args=(dtype, str(tmp_path / "ckpt")))):
+        outer, inner = divmod(rank, 2)
+        torch_shard = torch_chunk(torch_chunk(full, 2, outer), 2, inner)
+        assert torch.equal(out["full_tensor"], full), rank
+        assert torch.equal(out["by_column"], torch_chunk(full, 2, inner, dim=1)), rank
+        assert torch.equal(out["to_torch"], torch_shard), rank
+        assert torch.equal(out["to_other"], piece(full, flat(OTHER_TABLE), inner * 2 + outer)), rank
+        assert torch.equal(out["from_whole"], piece(full, flat(TABLE), inner * 2 + outer)), rank
+        assert torch.equal(out["dcp"][0], full), rank
+        assert torch.equal(out["dcp"][1], piece(full, flat(OTHER_TABLE), inner * 2 + outer)), rank
+
+
 def ragged_param(local: torch.Tensor, sizes: tuple[int, ...], shape: torch.Size) -> RaggedDTensor:
     mesh = init_device_mesh(test_device().type, (dist.get_world_size(),))
     return RaggedDTensor.wrap(local, mesh, shape, [RaggedShard(0, sizes)])

@@ -38,6 +38,7 @@ POLICIES = {
     "tensor": "tensor",
     "mixed": {"blocks.*.up.weight": "block:4x6", "blocks.*.down.weight": "tensor", "*.bias": "chunk"},
     "chunk": "chunk",
+    "matrices": {"blocks.*.up.weight": "block:4x6", "blocks.*.down.weight": "tensor"},  # HFSDP: no chunk
 }
 
 
@@ -74,11 +75,11 @@ def test_clip_grad_norm_equals_one_process(strategy: str, policy: str) -> None:
         assert max_relative_difference(grads, want_grads) <= 1e-6, rank
 
 
-def native_ops(strategy: str, alignment: Any, outer: int) -> dict[str, Any]:
+def native_ops(strategy: str, alignment: Any, outer: str | None) -> dict[str, Any]:
     """After two steps: torch's own ops on every param, and the whole weights gathered gradsync's way to
     compare them with."""
-    config = {"outer_dp_sharding_strategy": "no_shard"} if outer > 1 else {}
-    model = wrap(strategy, shard_alignment=alignment, outer=outer, **config)
+    config = {"outer_dp_sharding_strategy": outer} if outer else {}
+    model = wrap(strategy, shard_alignment=alignment, outer=2 if outer else 1, **config)
     optimizer = fully_shard_optimizer(make_optimizer(model.parameters()))
     for step in range(2):
         model(local_microbatches(step, dist.get_rank(), dist.get_world_size(), 1)[0]).backward()
@@ -88,15 +89,17 @@ def native_ops(strategy: str, alignment: Any, outer: int) -> dict[str, Any]:
     for prefixed, param in model.named_parameters():
         name = prefixed.removeprefix("module.")
         mesh = param.device_mesh
-        split = list(param.ragged_placements if isinstance(param, RaggedDTensor) else param.placements)
+        ragged = isinstance(param, RaggedDTensor)
+        split = list(param.ragged_placements if ragged else param.placements)
+        order = param.mesh_dim_order if ragged else None
         full = param.full_tensor().detach()
         replicated = param.redistribute(mesh, [Replicate()] * mesh.ndim)
-        again = reshard(replicated, split)
+        again = reshard(replicated, split, mesh_dim_order=order)
         # torch's own chunking of the whole tensor, then into this param's split: exactly this rank's shard
-        native = reshard(distribute_tensor(full, mesh, [Replicate()] * (mesh.ndim - 1) + [Shard(0)]), split)
-        by_column = (
-            param.redistribute(mesh, [*split[:-1], Shard(1)]).full_tensor() if param.ndim > 1 else full
-        )
+        by_rows = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+        native = reshard(distribute_tensor(full, mesh, by_rows), split, mesh_dim_order=order)
+        by_column = [Replicate()] * (mesh.ndim - 1) + [Shard(1)]
+        by_column = param.redistribute(mesh, by_column).full_tensor() if param.ndim > 1 else full
         out["kinds"].add(type(param).__name__)
         momentum = optimizer.state[param]["momentum_buffer"]  # fully_shard_optimizer's state keeps the split
         out["state"][name] = (momentum.full_tensor().cpu(), uneven_dtensor_to_full_tensor(momentum).cpu())
@@ -113,20 +116,22 @@ def native_ops(strategy: str, alignment: Any, outer: int) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("world", "strategy", "policy", "outer"),
     [
-        (2, "optim", "chunk", 1),
-        (4, "optim_grads", "chunk", 1),
-        (2, "optim_grads_params", "chunk", 1),
-        (4, "optim_grads_params", "row", 1),
-        (2, "optim", "tensor", 1),
-        (2, "optim_grads", "mixed", 1),
-        (4, "optim_grads_params", "mixed", 1),
-        (4, "optim_grads_params", "row", 2),  # HSDP: (Replicate, shard) over a 2 x 2 mesh
+        (2, "optim", "chunk", None),
+        (4, "optim_grads", "chunk", None),
+        (2, "optim_grads_params", "chunk", None),
+        (4, "optim_grads_params", "row", None),
+        (2, "optim", "tensor", None),
+        (2, "optim_grads", "mixed", None),
+        (4, "optim_grads_params", "mixed", None),
+        (4, "optim_grads_params", "row", "no_shard"),  # HSDP: (Replicate, shard) over a 2 x 2 mesh
+        (4, "optim_grads_params", "row", "optim"),  # HFSDP: (shard, shard), the inner dim cutting first
+        (4, "optim_grads_params", "matrices", "optim"),
     ],
 )
-def test_native_ops_on_every_policy(world: int, strategy: str, policy: str, outer: int) -> None:
+def test_native_ops_on_every_policy(world: int, strategy: str, policy: str, outer: str | None) -> None:
     """``full_tensor()``, ``redistribute()`` (to Replicate, to Shard(1), back) and torch's own scatter on
     the optimizer's params equal the whole weights; ``chunk`` shards are torch's ``Shard(0)`` DTensors, the
-    other policies' uneven ones ``RaggedDTensor``s."""
+    other policies' uneven ones (and all of HFSDP's) ``RaggedDTensor``s."""
     for rank, out in enumerate(run_distributed(native_ops, world, args=(strategy, POLICIES[policy], outer))):
         for name, whole in out["whole"].items():
             if name == "head.weight":  # tied: the embedding's

@@ -42,7 +42,7 @@ def _as_distributed(value: Any, param: DTensor, local: torch.Tensor) -> Any:
     if not (isinstance(value, torch.Tensor) and value.shape == local.shape and value.dim() > 0):
         return value
     if isinstance(param, RaggedDTensor):
-        return RaggedDTensor.wrap(value, param.device_mesh, param.shape, param.ragged_placements)
+        return param.like(value)
     return DTensor.from_local(
         value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )

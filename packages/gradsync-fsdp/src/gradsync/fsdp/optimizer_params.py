@@ -3,10 +3,9 @@
 Each DTensor's local tensor is a view of its bucket's main weights (or compute weights), so the
 optimizer's in-place updates land in the flat buffers. Shards are uneven, and a rank may own no rows of
 a param: the DTensor carries the param's global shape explicitly. Its shard placement is torch's
-``Shard(0)``; where the rows per rank do not follow ``torch.chunk`` it is a
-:class:`~gradsync.fsdp.ragged.RaggedDTensor` whose ``full_tensor()`` and ``redistribute()`` use the layout's
-row counts (on a (shard) or (replicated outer, shard) mesh; HFSDP's two shard dims keep a plain DTensor and
-the uneven-DTensor helpers). ``no_shard`` params are ``Replicate``.
+``Shard(0)``; where the rows per rank do not follow ``torch.chunk`` (and always under HFSDP, whose mesh
+dims cut inner first) it is a :class:`~gradsync.fsdp.ragged.RaggedDTensor` whose ``full_tensor()``,
+``redistribute()`` and DCP metadata use the layout's row counts. ``no_shard`` params are ``Replicate``.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from gradsync.buffers.shard_alignment import SHARD_ALIGNMENT_ATTR
 
 from .bucket import FlatParamBucket
 from .dcp import FIRST_ROW, describe_shard
-from .ragged import RaggedDTensor, RaggedShard, shard_placement
+from .ragged import RaggedDTensor, shard_placement, torch_describes
 
 # Attributes Megatron and gradsync-finalize read off params, carried over to the optimizer's params.
 CARRIED_ATTRIBUTES = (
@@ -48,16 +47,28 @@ def as_dtensor(
     )
 
 
-def ragged_placements(
-    bucket: FlatParamBucket, index: int, placements: Sequence[Placement]
-) -> list[Placement]:
-    """``placements`` with the shard dim describing how the layout split item ``index``'s rows."""
+def true_split(
+    bucket: FlatParamBucket, index: int, mesh: DeviceMesh, placements: Sequence[Placement]
+) -> tuple[list[Placement], tuple[int, ...]]:
+    """``placements`` with each shard dim describing how the layout split item ``index``'s rows, and the
+    order the mesh dims cut them in. HFSDP's (outer, inner) mesh cuts inner first (its shard ``i*M + o``
+    is outer piece ``o`` of inner shard ``i``), and the outer sizes are those of this rank's inner shard."""
     shape = bucket.layout.items[index].shape
-    if not bucket.sharding.shard_main or not len(shape) or sum(isinstance(p, Shard) for p in placements) != 1:
-        return list(placements)
+    order = tuple(range(mesh.ndim))
+    sharded = [mesh_dim for mesh_dim, p in enumerate(placements) if isinstance(p, Shard)]
+    if not bucket.sharding.shard_main or not len(shape) or not sharded:
+        return list(placements), order
     rows = [bucket.layout.local_rows(index, rank) for rank in range(bucket.layout.world)]
     sizes = [last - first for first, last in rows]
-    return [shard_placement(sizes) if isinstance(p, Shard) else p for p in placements]
+    if len(sharded) == 1:
+        split = {sharded[0]: shard_placement(sizes)}
+    else:  # HFSDP: (outer, inner), each Shard(0)
+        pieces = mesh.size(0)
+        by_inner = [sizes[inner * pieces : (inner + 1) * pieces] for inner in range(mesh.size(1))]
+        mine = by_inner[mesh.get_local_rank(1)]
+        split = {0: shard_placement(mine), 1: shard_placement([sum(inner) for inner in by_inner])}
+        order = (1, 0)
+    return [split.get(mesh_dim, p) for mesh_dim, p in enumerate(placements)], order
 
 
 def build_optimizer_params(
@@ -68,9 +79,9 @@ def build_optimizer_params(
     params = []
     for index, raw in enumerate(bucket.spec.params):
         local = bucket.local_view(source, base, index)
-        true_placements = ragged_placements(bucket, index, placements)
-        if any(isinstance(p, RaggedShard) for p in true_placements):
-            dtensor: DTensor = RaggedDTensor.wrap(local, mesh, raw.shape, true_placements)
+        true_placements, order = true_split(bucket, index, mesh, placements)
+        if not torch_describes(true_placements, order):
+            dtensor: DTensor = RaggedDTensor.wrap(local, mesh, raw.shape, true_placements, order)
         else:
             dtensor = as_dtensor(local, mesh, raw.shape, placements)
         param = nn.Parameter(dtensor, requires_grad=raw.requires_grad)
@@ -96,7 +107,7 @@ def attach_grads(bucket: FlatParamBucket, params: list[nn.Parameter]) -> None:
         if local.dtype != param.dtype:
             local = local.to(param.dtype)
         if isinstance(param, RaggedDTensor):
-            param.grad = RaggedDTensor.wrap(local, param.device_mesh, param.shape, param.ragged_placements)
+            param.grad = param.like(local)
         else:
             assert isinstance(param, DTensor)  # a Parameter over a DTensor
             param.grad = as_dtensor(local, param.device_mesh, param.shape, param.placements)

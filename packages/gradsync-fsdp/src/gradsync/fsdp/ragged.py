@@ -15,15 +15,22 @@ aborts). Two pieces fix that:
   share a cached output placement. Compute on the param, whose label stays torch's ``Shard(dim)``.
 - :class:`RaggedDTensor`: a DTensor (gradsync's optimizer params, their grads and state) labelled
   ``Shard(dim)`` for op dispatch, exactly as before, whose ``full_tensor()``, ``redistribute()`` and DCP
-  metadata use its true ``ragged_placements``. Optimizer steps, ``clip_grad_norm_`` and every other op run
-  as on a plain DTensor; outputs shaped like a ragged input (``detach``, ``zeros_like``, arithmetic) keep
-  its split.
+  metadata use its true ``ragged_placements``, cut in its ``mesh_dim_order``. Optimizer steps,
+  ``clip_grad_norm_`` and every other op run as on a plain DTensor; outputs shaped like a ragged input
+  (``detach``, ``zeros_like``, arithmetic) keep its split.
+
+``mesh_dim_order`` is the order in which mesh dims cut a sharded dim (torch's ``shard_order``). torch
+reads placements left to right: on an (outer, inner) mesh the outer dim cuts first. HFSDP's shards lie the
+other way round (inner rank ``i``'s shard is the outer pieces ``i*M ... i*M+M-1``, spec fsdp.md §2.6), so
+their order is ``(1, 0)`` and the outer ``RaggedShard``'s sizes are those of this rank's inner shard: torch's
+redistribute planner follows a spec's shard order, and these hooks only ever see their own inner shard.
 
 Limits of torch's redistribute executor that this module cannot reach (it calls the *source* placement's
 hook, or none): a move from a ragged split to ``Shard(dim)`` on the same ``dim``, or from ``Shard(k)`` into
 a ragged split, is not carried out by ``DTensor.redistribute`` on a ``RaggedShard`` DTensor;
 :func:`reshard` (and ``RaggedDTensor.redistribute``) go through ``Replicate`` there.
 ``distribute_tensor(t, mesh, [RaggedShard(...)])`` scatters torch's even chunks and labels them so.
+:func:`reshard` moves into a ragged split, or one in another order, by cutting a whole copy locally.
 """
 
 from __future__ import annotations
@@ -36,11 +43,11 @@ import torch.distributed._functional_collectives as funcol
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrder, ShardOrderEntry, TensorMeta
 
-from gradsync.buffers.checkpointing import contiguous_stride
+from gradsync.buffers.checkpointing import contiguous_stride, describe_chunk
 
-__all__ = ["RaggedDTensor", "RaggedShard", "reshard", "shard_placement"]
+__all__ = ["RaggedDTensor", "RaggedShard", "reshard", "shard_placement", "torch_describes"]
 
 
 class RaggedShard(Shard):
@@ -198,24 +205,105 @@ def reshard(
     tensor: DTensor,
     placements: Sequence[Placement],
     *,
+    mesh_dim_order: Sequence[int] | None = None,
     async_op: bool = False,
     forward_dtype: torch.dtype | None = None,
     backward_dtype: torch.dtype | None = None,
 ) -> DTensor:
-    """``tensor.redistribute(placements)``, through ``Replicate`` first where torch's executor would skip or
-    mis-cut a move into or within a ragged split (see the module's limits)."""
+    """``tensor.redistribute(placements)``, with ``placements`` cut in ``mesh_dim_order`` (left to right by
+    default). Through ``Replicate`` where torch's executor would skip or mis-cut the move (see the module's
+    limits); into a ragged split, or one in another order, by cutting that whole copy locally."""
     mesh = tensor.device_mesh
-    if any(_executor_misses(old, new) for old, new in zip(tensor.placements, placements, strict=True)):
-        tensor = tensor.redistribute(mesh, [Replicate()] * mesh.ndim)
-    return tensor.redistribute(
-        mesh, placements, async_op=async_op, forward_dtype=forward_dtype, backward_dtype=backward_dtype
+    order = tuple(range(mesh.ndim)) if mesh_dim_order is None else tuple(mesh_dim_order)
+    kwargs: dict[str, Any] = {
+        "async_op": async_op,
+        "forward_dtype": forward_dtype,
+        "backward_dtype": backward_dtype,
+    }
+    unchanged = tuple(placements) == tensor.placements and all(
+        type(old) is type(new) for old, new in zip(tensor.placements, placements, strict=True)
     )
+    if unchanged and tensor._spec.shard_order == shard_order(placements, order):
+        return tensor
+    if not torch_describes(placements, order):
+        whole = tensor.redistribute(mesh, [Replicate()] * mesh.ndim, **kwargs).to_local()
+        sizes, offsets = local_sizes_and_offsets(whole.shape, mesh, placements, order)
+        for dim, (size, offset) in enumerate(zip(sizes, offsets, strict=True)):
+            whole = whole.narrow(dim, offset, size)
+        return placed(whole, mesh, tensor.shape, tensor.stride(), placements, order)
+    if _reordered(tensor._spec) or any(
+        _executor_misses(old, new) for old, new in zip(tensor.placements, placements, strict=True)
+    ):
+        tensor = tensor.redistribute(mesh, [Replicate()] * mesh.ndim)
+    return tensor.redistribute(mesh, placements, **kwargs)
+
+
+def torch_describes(placements: Sequence[Placement], mesh_dim_order: Sequence[int]) -> bool:
+    """Whether torch's own placements say it: no ragged split, and the mesh dims cut left to right."""
+    default = DTensorSpec.compute_default_shard_order(tuple(placements))
+    return (
+        not any(isinstance(p, RaggedShard) for p in placements)
+        and shard_order(placements, mesh_dim_order) == default
+    )
+
+
+def _reordered(spec: DTensorSpec) -> bool:
+    return spec.shard_order != DTensorSpec.compute_default_shard_order(spec.placements)
 
 
 def _executor_misses(old: Placement, new: Placement) -> bool:
     if not (isinstance(old, Shard) and isinstance(new, Shard)) or (type(old) is type(new) and old == new):
         return False
-    return isinstance(new, RaggedShard) or (isinstance(old, RaggedShard) and old.dim == new.dim)
+    return isinstance(old, RaggedShard) and old.dim == new.dim
+
+
+def shard_order(placements: Sequence[Placement], mesh_dim_order: Sequence[int]) -> ShardOrder:
+    """torch's ``shard_order``: each sharded tensor dim with the mesh dims that cut it, in
+    ``mesh_dim_order``."""
+    cuts: dict[int, list[int]] = {}
+    for mesh_dim in mesh_dim_order:
+        placement = placements[mesh_dim]
+        if isinstance(placement, Shard):
+            cuts.setdefault(placement.dim, []).append(mesh_dim)
+    return tuple(ShardOrderEntry(tensor_dim=dim, mesh_dims=tuple(cuts[dim])) for dim in sorted(cuts))
+
+
+def local_sizes_and_offsets(
+    shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement], mesh_dim_order: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """This rank's local shape and its global offsets when ``placements`` cut ``shape`` in
+    ``mesh_dim_order`` (torch's own helper for DCP goes left to right only)."""
+    sizes, offsets = [int(size) for size in shape], [0] * len(shape)
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None, "this rank is not in the DTensor's mesh"
+    for mesh_dim in mesh_dim_order:
+        placement = placements[mesh_dim]
+        if isinstance(placement, Shard):
+            size, offset = placement._local_shard_size_and_offset(
+                sizes[placement.dim], mesh.size(mesh_dim), coordinate[mesh_dim]
+            )
+            sizes[placement.dim] = int(size)
+            offsets[placement.dim] += int(offset)
+    return sizes, offsets
+
+
+def placed(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    shape: torch.Size,
+    stride: tuple[int, ...],
+    placements: Sequence[Placement],
+    mesh_dim_order: Sequence[int],
+) -> DTensor:
+    """``DTensor.from_local`` (differentiable) with ``placements`` cut in ``mesh_dim_order``: from_local
+    takes no shard order, so the spec it built is swapped for one that has it (its backward compares
+    placements only, and they are the same)."""
+    tensor = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    order = shard_order(placements, mesh_dim_order)
+    if order != tensor._spec.shard_order:
+        spec = tensor._spec
+        tensor._spec = DTensorSpec(spec.mesh, spec.placements, spec.tensor_meta, shard_order=order)
+    return tensor
 
 
 class RaggedDTensor(DTensor):
@@ -224,40 +312,65 @@ class RaggedDTensor(DTensor):
     ``nn.Parameter``) keep its true, ragged split."""
 
     _ragged_placements: tuple[Placement, ...]
+    _mesh_dim_order: tuple[int, ...]
 
     @staticmethod
     def wrap(
-        local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size, ragged_placements: Sequence[Placement]
+        local: torch.Tensor,
+        mesh: DeviceMesh,
+        shape: torch.Size,
+        ragged_placements: Sequence[Placement],
+        mesh_dim_order: Sequence[int] | None = None,
     ) -> RaggedDTensor:
-        """``local`` (no autograd history, as gradsync's buffer views) as a shard of ``shape``: the label
-        puts ``Shard(dim)`` where ``ragged_placements`` has a ragged split."""
+        """``local`` (no autograd history, as gradsync's buffer views) as a shard of ``shape`` split by
+        ``ragged_placements`` cut in ``mesh_dim_order`` (left to right by default): the label puts
+        ``Shard(dim)`` where ``ragged_placements`` has a ragged split."""
         label = [Shard(p.dim) if isinstance(p, RaggedShard) else p for p in ragged_placements]
         spec = DTensorSpec(mesh, tuple(label), TensorMeta(shape, contiguous_stride(shape), local.dtype))
-        return RaggedDTensor._of(local.view_as(local), spec, ragged_placements, local.requires_grad)
+        order = tuple(range(mesh.ndim)) if mesh_dim_order is None else tuple(mesh_dim_order)
+        split = (tuple(ragged_placements), order)
+        return RaggedDTensor._of(local.view_as(local), spec, split, local.requires_grad)
+
+    def like(self, local: torch.Tensor) -> RaggedDTensor:
+        """``local`` (this rank's rows of a tensor shaped like this one: a grad, optimizer state) split
+        as this one is."""
+        return RaggedDTensor.wrap(local, self.device_mesh, self.shape, *self._split)
 
     @staticmethod
     def _of(
-        local: torch.Tensor, spec: DTensorSpec, ragged_placements: Sequence[Placement], requires_grad: bool
+        local: torch.Tensor,
+        spec: DTensorSpec,
+        split: tuple[tuple[Placement, ...], tuple[int, ...]],
+        requires_grad: bool,
     ) -> RaggedDTensor:
         tensor = RaggedDTensor(local, spec, requires_grad=requires_grad)  # type: ignore[no-untyped-call]
-        tensor._ragged_placements = tuple(ragged_placements)
+        tensor._ragged_placements, tensor._mesh_dim_order = split
         return tensor
+
+    @property
+    def _split(self) -> tuple[tuple[Placement, ...], tuple[int, ...]]:
+        return self._ragged_placements, self._mesh_dim_order
 
     @property
     def ragged_placements(self) -> tuple[Placement, ...]:
         """The placements that say which rows each rank holds (``placements`` is the dispatch label)."""
         return self._ragged_placements
 
+    @property
+    def mesh_dim_order(self) -> tuple[int, ...]:
+        """The order in which the mesh dims cut the rows (HFSDP: inner first)."""
+        return self._mesh_dim_order
+
     def ragged_view(self) -> DTensor:
-        """This shard placed with its ragged placements (differentiable): for moving data and checkpoint
-        metadata, not for ops."""
-        return DTensor.from_local(
+        """This shard placed with its ragged placements in its order (differentiable): for moving data,
+        not for ops."""
+        return placed(
             self.to_local(),
             self.device_mesh,
+            self.shape,
+            self.stride(),
             self._ragged_placements,
-            run_check=False,
-            shape=self.shape,
-            stride=self.stride(),
+            self._mesh_dim_order,
         )
 
     def redistribute(
@@ -311,13 +424,17 @@ class RaggedDTensor(DTensor):
             self._twin = twin
         return twin
 
+    def _described(self) -> RaggedDTensor:
+        """With this rank's true chunk attached to the local tensor, which DTensor's DCP hooks consult."""
+        offsets = local_sizes_and_offsets(self.shape, self.device_mesh, *self._split)[1]
+        return describe_chunk(self, offsets)
+
     def __create_write_items__(self, fqn: str, object: Any) -> Any:
         """DCP: this rank's rows at their true offset (torch would place the label's even chunk)."""
-        placed = self.ragged_view()
-        return placed.__create_write_items__(fqn, placed)
+        return DTensor.__create_write_items__(self._described(), fqn, object)
 
     def __create_chunk_list__(self) -> Any:
-        return self.ragged_view().__create_chunk_list__()  # type: ignore[no-untyped-call]
+        return DTensor.__create_chunk_list__(self._described())  # type: ignore[no-untyped-call]
 
 
 def _map_only(kind: type[Any], fn: Any, tree: Any) -> Any:
@@ -341,7 +458,7 @@ def _follow_split(result: Any, sources: list[Any]) -> Any:
     if not isinstance(result, DTensor) or isinstance(result, RaggedDTensor):
         return result
     splits = {
-        source.ragged_placements
+        source._split
         for source in sources
         if isinstance(source, RaggedDTensor)
         and result._spec.placements == source._spec.placements
