@@ -3,7 +3,8 @@
 
 Muon's extra cost is the Newton-Schulz math of the matrices a rank owns (its FLOPs do not grow with the
 batch) plus the padding the ``tensor`` policy adds to the wire; AdamW's step is element-wise. So the
-ratio falls as the batch per rank grows, and the table shows it at 8 and 64 sequences of 128 bytes.
+ratio falls as the batch per rank grows, and the table shows it at 8 and 64 sequences of 128 bytes, with
+Newton-Schulz in fp32 (``+muon``) and in bf16 (``+muon-bf16``, as Keller Jordan's and Moonlight's Muon).
 
     python benchmarks/bench_muon.py            # nox -s bench-muon
 """
@@ -20,6 +21,7 @@ sys.path.insert(0, str(HERE))
 
 from bench import launch, ring_minimum  # noqa: E402
 from bench_ab import commit, run_repeats  # noqa: E402
+from bench_worker import MUON_SUFFIXES  # noqa: E402
 
 STRATEGIES = ["gradsync-ddp+distopt", "gradsync-fsdp-optim", "gradsync-fsdp-optim_grads_params"]
 
@@ -32,7 +34,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, nargs="+", default=[20, 8], help="timed steps per batch size")
     parser.add_argument("--repeats", type=int, nargs="+", default=[3, 1], help="jobs per batch size")
     args = parser.parse_args()
-    systems = ["floor", *(s + suffix for s in STRATEGIES for suffix in ("", "+muon"))]
+    systems = ["floor", *(s + suffix for s in STRATEGIES for suffix in ("", *MUON_SUFFIXES))]
     ratios: dict[int, dict[str, float]] = {}
     for batch, steps, repeats in zip(args.batches, args.steps, args.repeats, strict=True):
         job = argparse.Namespace(nproc=2, steps=steps, repeats=repeats, systems=systems, batch_per_rank=batch)
@@ -45,7 +47,7 @@ def main() -> None:
     print(f"| system | {header} | wire MiB/step | wire / ring min |")
     print("|---|" + "---|" * (2 * len(args.batches) + 2))
     for system in systems[1:]:
-        adamw = system.removesuffix("+muon")
+        adamw = next((system.removesuffix(s) for s in MUON_SUFFIXES if system.endswith(s)), system)
         cells = " | ".join(
             f"{ratios[b][system]:.3f}x | {ratios[b][system] / ratios[b][adamw]:.3f}" for b in args.batches
         )

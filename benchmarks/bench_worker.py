@@ -48,8 +48,9 @@ def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Step:
     return step
 
 
-MUON = "+muon"
-"""A gradsync system name ending in this steps with Muon (whole matrices on one rank each), not AdamW."""
+MUON_SUFFIXES = {"+muon": torch.float32, "+muon-bf16": torch.bfloat16}
+"""A gradsync system name ending in one of these steps with Muon (whole matrices on one rank each), not
+AdamW, with its Newton-Schulz math in that dtype (bf16 as Keller Jordan's and Moonlight's Muon run it)."""
 
 
 def gradsync_step(system: str, model: nn.Module, lr: float, bucket_elements: int) -> Step:
@@ -58,14 +59,21 @@ def gradsync_step(system: str, model: nn.Module, lr: float, bucket_elements: int
 
     from gradsync.buffers import Muon, muon_param_groups
 
-    strategy = system.removesuffix(MUON)
+    suffix = next((s for s in MUON_SUFFIXES if system.endswith(s)), "")
+    strategy = system.removesuffix(suffix)
     groups = initialize_model_parallel()
-    if strategy != system:  # train.py --optimizer muon's layout, Muon's defaults otherwise
+    if suffix:  # train.py --optimizer muon's layout, Muon's defaults otherwise
+        ns_dtype = MUON_SUFFIXES[suffix]
         wrapped = wrap(
             strategy,
             model,
             groups,
-            lambda named: Muon(muon_param_groups(named, exclude=EMBEDDINGS), lr=lr, adamw_betas=(0.9, 0.999)),
+            lambda named: Muon(
+                muon_param_groups(named, exclude=EMBEDDINGS),
+                lr=lr,
+                adamw_betas=(0.9, 0.999),
+                ns_dtype=ns_dtype,
+            ),
             bucket_elements,
             shard_alignment=lambda name, param: "tensor" if param.dim() >= 2 else None,
         )
