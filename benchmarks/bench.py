@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+MUON_SUFFIXES = {"+muon": "float32", "+muon-bf16": "bfloat16"}
+"""A gradsync system name ending in one of these steps with Muon (whole matrices on one rank each), not
+AdamW, with its Newton-Schulz math in that dtype (bf16 as Keller Jordan's and Moonlight's Muon run it)."""
 Result = dict[str, Any]  # one system's JSON line from bench_worker.py
 GRADSYNC = [
     "gradsync-ddp",
@@ -110,6 +113,11 @@ def machine() -> str:
         f"Python {platform.python_version()}, torch {version('torch')}, deepspeed {version('deepspeed')}, "
         f"gradsync-ddp {version('gradsync-ddp')}, gradsync-fsdp {version('gradsync-fsdp')}"
     )
+
+
+def muon_suffix(system: str) -> str:
+    """The Muon suffix ``system`` ends in, or ``""`` for an AdamW system."""
+    return next((suffix for suffix in MUON_SUFFIXES if system.endswith(suffix)), "")
 
 
 def ring_minimum(param_bytes: float, world: int) -> float:

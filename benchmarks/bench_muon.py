@@ -19,9 +19,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench import launch, ring_minimum  # noqa: E402
+from bench import MUON_SUFFIXES, launch, muon_suffix, ring_minimum  # noqa: E402
 from bench_ab import commit, run_repeats  # noqa: E402
-from bench_worker import MUON_SUFFIXES  # noqa: E402
 
 STRATEGIES = ["gradsync-ddp+distopt", "gradsync-fsdp-optim", "gradsync-fsdp-optim_grads_params"]
 
@@ -47,7 +46,7 @@ def main() -> None:
     print(f"| system | {header} | wire MiB/step | wire / ring min |")
     print("|---|" + "---|" * (2 * len(args.batches) + 2))
     for system in systems[1:]:
-        adamw = next((system.removesuffix(s) for s in MUON_SUFFIXES if system.endswith(s)), system)
+        adamw = system.removesuffix(muon_suffix(system))
         cells = " | ".join(
             f"{ratios[b][system]:.3f}x | {ratios[b][system] / ratios[b][adamw]:.3f}" for b in args.batches
         )

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from bench import MUON_SUFFIXES, muon_suffix
 from torch import nn
 from toygpt.data import Corpus, local_rows
 from toygpt.model import GPTConfig, GPTStage, next_token_loss
@@ -48,22 +49,17 @@ def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Step:
     return step
 
 
-MUON_SUFFIXES = {"+muon": torch.float32, "+muon-bf16": torch.bfloat16}
-"""A gradsync system name ending in one of these steps with Muon (whole matrices on one rank each), not
-AdamW, with its Newton-Schulz math in that dtype (bf16 as Keller Jordan's and Moonlight's Muon run it)."""
-
-
 def gradsync_step(system: str, model: nn.Module, lr: float, bucket_elements: int) -> Step:
     from toygpt.strategies import wrap
     from train import EMBEDDINGS
 
     from gradsync.buffers import Muon, muon_param_groups
 
-    suffix = next((s for s in MUON_SUFFIXES if system.endswith(s)), "")
+    suffix = muon_suffix(system)
     strategy = system.removesuffix(suffix)
     groups = initialize_model_parallel()
     if suffix:  # train.py --optimizer muon's layout, Muon's defaults otherwise
-        ns_dtype = MUON_SUFFIXES[suffix]
+        ns_dtype = getattr(torch, MUON_SUFFIXES[suffix])
         wrapped = wrap(
             strategy,
             model,
