@@ -217,14 +217,14 @@ def integration_full(session: nox.Session) -> None:
 @nox.session(name="bench-buffers")
 def bench_buffers(session: nox.Session) -> None:
     """Benchmark (not a test): each collective path of gradsync-buffers on this machine, as a table."""
-    install_local(session, "buffers", extra=("numpy",))
+    install_local(session, "buffers")
     session.run("python", pkg_dir("buffers") + "/benchmarks/bench_collectives.py", *session.posargs)
 
 
 @nox.session(name="bench-ddp")
 def bench_ddp(session: nox.Session) -> None:
     """Benchmark (not a test): gradsync DDP vs torch DDP vs the compute floor on a ~23M-param GPT."""
-    install_local(session, "ddp", extra=("numpy",))
+    install_local(session, "ddp")
     session.run("python", pkg_dir("ddp") + "/benchmarks/bench_ddp.py", *session.posargs)
 
 
@@ -232,7 +232,7 @@ def bench_ddp(session: nox.Session) -> None:
 def bench_overhead(session: nox.Session) -> None:
     """Benchmark (not a test): per-step wrapper overhead in microseconds, gradsync DDP vs torch DDP, on a
     model of 10,000 tiny params at DP 2 (bench_ddp.py --model tiny-params)."""
-    install_local(session, "ddp", extra=("numpy",))
+    install_local(session, "ddp")
     script = pkg_dir("ddp") + "/benchmarks/bench_ddp.py"
     session.run("python", script, "--model", "tiny-params", "--steps", "40", "--interleave", *session.posargs)
 

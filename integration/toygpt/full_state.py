@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from gradsync.buffers import is_expert_parallel
 from gradsync.groups import ProcessGroupCollection
+from gradsync.groups.objects import gather_objects
 
 from .model import TIED_COPY, GPTStage
 from .parallel_ops import group_rank, group_size
@@ -32,10 +33,7 @@ def gather_full_params(
         replica_group = groups.expt_dp if is_expert_parallel(param) else groups.dp_cp
         if group_rank(groups.tp) == 0 and group_rank(replica_group) == 0:
             kept[TIED_COPY_KEY if name == TIED_COPY else name] = value.cpu().clone()
-    gathered: list[dict[str, torch.Tensor]] | None = (
-        [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
-    )
-    dist.gather_object(kept, gathered, dst=0)
+    gathered: list[dict[str, torch.Tensor]] | None = gather_objects(kept, dst=0)
     if gathered is None:
         return None
     full: dict[str, torch.Tensor] = {}

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.buffers import check_params_match_across_ranks
+from gradsync.buffers import check_params_match_across_ranks, param_consistency
 from gradsync.groups.testing import run_distributed
 
 
@@ -22,22 +22,22 @@ def model(rank: int, odd_rank: int | None) -> list[tuple[str, nn.Parameter]]:
 
 
 def gathered_payloads(odd_rank: int | None) -> tuple[list[Any], str]:
-    """What this rank handed to all_gather_object, and the error (empty when none)."""
+    """What this rank handed to the all-gather of objects, and the error (empty when none)."""
     sent: list[Any] = []
-    gather = dist.all_gather_object
+    gather = param_consistency.all_gather_objects
 
-    def recording(output: list[Any], obj: Any, group: Any = None) -> None:
+    def recording(obj: Any, group: Any = None) -> list[Any]:
         sent.append(obj)
-        gather(output, obj, group=group)
+        return gather(obj, group)
 
-    dist.all_gather_object = recording  # type: ignore[assignment]
+    param_consistency.all_gather_objects = recording
     try:
         check_params_match_across_ranks(model(dist.get_rank(), odd_rank), dist.group.WORLD)
         return sent, ""
     except ValueError as error:
         return sent, str(error)
     finally:
-        dist.all_gather_object = gather
+        param_consistency.all_gather_objects = gather
 
 
 @pytest.mark.parametrize("odd_rank", [None, 2])

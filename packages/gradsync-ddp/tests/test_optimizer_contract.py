@@ -171,7 +171,8 @@ def state_dict_goes_to_the_saving_rank_only() -> tuple[int, int, int]:
     original = dist.gather
 
     def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        gathers.append(tensor.numel())
+        if tensor.is_floating_point():  # the state's values (scalars such as `step` travel as bytes)
+            gathers.append(tensor.numel())
         return original(tensor, *args, **kwargs)
 
     dist.gather = counting  # type: ignore[assignment]

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import nn
 
+from gradsync.groups.objects import all_gather_objects, broadcast_object
+
 from .layout import is_expert_parallel
 
 ParamSignature = tuple[str, tuple[int, ...], str, bool]
@@ -71,19 +73,15 @@ def check_params_match_across_ranks(
 def _check(mine: list[ParamSignature], group: dist.ProcessGroup, kind: str, who: str) -> None:
     """Gather one digest per rank (O(DP), not every rank's list: O(DP x P)); only when they differ are the
     lists of group rank 0 and of the first differing rank broadcast, to name the difference."""
-    digests: list[str | None] = [None] * group.size()
-    dist.all_gather_object(digests, hashlib.sha256(repr(mine).encode()).hexdigest(), group=group)
+    digests = all_gather_objects(hashlib.sha256(repr(mine).encode()).hexdigest(), group)
     odd = next((r for r, digest in enumerate(digests) if digest != digests[0]), None)
     if odd is None:
         return
     ranks = dist.get_process_group_ranks(group)
-    reference, theirs = ([mine if group.rank() == r else None] for r in (0, odd))
-    dist.broadcast_object_list(reference, src=ranks[0], group=group)
-    dist.broadcast_object_list(theirs, src=ranks[odd], group=group)
-    assert reference[0] is not None
-    assert theirs[0] is not None
+    reference = broadcast_object(mine, ranks[0], group)
+    theirs = broadcast_object(mine, ranks[odd], group)
     raise ValueError(
         f"{who}: the model differs between {kind} ranks {ranks[0]} and {ranks[odd]}: "
-        f"{_first_difference(reference[0], theirs[0])}. Every {kind} rank must wrap the same parameters "
+        f"{_first_difference(reference, theirs)}. Every {kind} rank must wrap the same parameters "
         "(names, shapes, dtypes, requires_grad)."
     )

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.groups.objects import all_gather_objects
+
 from .stats import recorded_cuda_event
 
 TRACKS = {"compute": 0, "comm": 1, "exposed": 2}
@@ -208,8 +210,7 @@ class CommTelemetry:
             list(self.phases),
             self.dropped_spans,
         )
-        everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
+        everyone = all_gather_objects(mine, group)
         origin = min(ns for _, ns, *_ in everyone)
         events: list[dict[str, Any]] = []
         dropped = {}

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.groups import get_backend_capabilities
+from gradsync.groups.objects import all_gather_objects
 
 _MAX_NAMES = 8  # params named per bucket group in a message
 
@@ -238,9 +239,8 @@ class HangWatchdog:
     def _heartbeats(self) -> None:
         while True:
             time.sleep(self.interval_s)
-            everyone: list[Any] = [None] * dist.get_world_size(self.side_group)
             try:
-                dist.all_gather_object(everyone, self._progress(), group=self.side_group)
+                everyone = all_gather_objects(self._progress(), self.side_group)
             except RuntimeError as error:  # a rank stopped, died or left: the side group is done
                 self.side_error = str(error).splitlines()[0][:200]
                 return

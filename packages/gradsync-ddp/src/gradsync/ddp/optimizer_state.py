@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from gradsync.groups.objects import all_gather_objects, gather_objects
+
 if TYPE_CHECKING:
     from .distributed_optimizer import DistributedOptimizer
 
@@ -53,9 +55,7 @@ def _elementwise_keys(opt: DistributedOptimizer, buffer_key: int, group: dist.Pr
         for k, v in opt.optimizer.state.get(piece.main, {}).items()
         if is_elementwise(v, piece.main.numel())
     }
-    everyone: list[set[str] | None] = [None] * group.size()
-    dist.all_gather_object(everyone, local, group=group)
-    return sorted(set().union(*(keys or set() for keys in everyone)))
+    return sorted(set().union(*all_gather_objects(local, group)))
 
 
 def _value(opt: DistributedOptimizer, piece: Any, key: str) -> torch.Tensor:
@@ -91,7 +91,6 @@ def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
     state: dict[str, dict[str, Any]] = {}
     for key, buffer in enumerate(opt.buffers):
         group = buffer.data_parallel_group
-        saving = not opt.sharded or group.rank() == 0
         if opt.sharded:
             saver = dist.get_global_rank(group, 0)
             for name in [MAIN_PARAM_KEY, *_elementwise_keys(opt, key, group)]:
@@ -120,15 +119,11 @@ def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
             for piece in opt.pieces
             if piece.buffer_key == key
         }
-        if not opt.sharded:
-            parts: list[dict[str, dict[str, Any]] | None] = [scalars]
-        else:
-            parts = [None] * group.size() if saving else []
-            dist.gather_object(
-                scalars, parts if saving else None, dst=dist.get_global_rank(group, 0), group=group
-            )
+        parts: list[dict[str, dict[str, Any]]] = [scalars]
+        if opt.sharded:
+            parts = gather_objects(scalars, dist.get_global_rank(group, 0), group) or []
         for part in parts:
-            for param_name, values in (part or {}).items():
+            for param_name, values in part.items():
                 state[param_name].update(
                     {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
                 )
