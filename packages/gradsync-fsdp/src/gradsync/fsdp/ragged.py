@@ -223,7 +223,7 @@ def reshard(
     unchanged = tuple(placements) == tensor.placements and all(
         type(old) is type(new) for old, new in zip(tensor.placements, placements, strict=True)
     )
-    if unchanged and tensor._spec.shard_order == shard_order(placements, order):
+    if unchanged and tensor._spec.shard_order == shard_order(placements, order) and forward_dtype is None:
         return tensor
     if not torch_describes(placements, order):
         whole = tensor.redistribute(mesh, [Replicate()] * mesh.ndim, **kwargs).to_local()
