@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from gradsync.fsdp.ragged import RaggedDTensor, RaggedShard, reshard, shard_placement
+from gradsync.fsdp.ragged import RaggedDTensor, RaggedShard, checked_order, reshard, shard_placement
 from gradsync.groups.testing import run_distributed, test_device
 
 SIZES = {2: (4, 1), 4: (3, 0, 5, 1)}
@@ -98,15 +98,18 @@ def test_torch_ops_on_ragged_pieces_equal_the_whole_tensor(
         assert torch.equal(out["dcp"][1], piece(full, OTHER_SIZES[world], rank)), rank
 
 
-TABLE = ((3, 0), (5, 1))  # HFSDP's 2 x 2 split: TABLE[inner][outer] rows, laid out inner first
-OTHER_TABLE = ((0, 6), (1, 2))
+# HFSDP's split on a 2 x 3 (outer, inner) mesh: TABLE[inner][outer] rows, laid out inner shard first. The
+# middle inner shard's pieces are torch's chunks (a plain Shard(0) on the outer dim), the others ragged.
+TABLE = ((3, 0), (2, 2), (1, 5))
+OTHER_TABLE = ((0, 6), (1, 2), (3, 1))
+MESH = (2, 3)
 
 
 def inner_first(local: torch.Tensor, table: tuple[tuple[int, ...], ...], shape: torch.Size) -> RaggedDTensor:
     """On an (outer, inner) mesh: inner shard i is outer pieces i*M ... i*M+M-1 (HFSDP's order)."""
-    mesh = init_device_mesh(test_device().type, (2, 2))
+    mesh = init_device_mesh(test_device().type, MESH)
     inner = mesh.get_local_rank(1)
-    placements = [RaggedShard(0, table[inner]), RaggedShard(0, [sum(row) for row in table])]
+    placements = [shard_placement(table[inner]), shard_placement([sum(row) for row in table])]
     return RaggedDTensor.wrap(local, mesh, shape, placements, mesh_dim_order=(1, 0))
 
 
@@ -114,21 +117,35 @@ def flat(table: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
     return tuple(size for row in table for size in row)
 
 
+def inner_first_rows(full: torch.Tensor, table: tuple[tuple[int, ...], ...], rank: int) -> torch.Tensor:
+    """What ``rank`` (mesh coordinate (outer, inner)) holds of ``full``: flat piece inner * M + outer."""
+    outer, inner = divmod(rank, MESH[1])
+    return piece(full, flat(table), inner * MESH[0] + outer)
+
+
+def whole_rows(dtype: torch.dtype) -> torch.Tensor:
+    rows = sum(flat(TABLE))
+    return (torch.arange(rows * COLUMNS, dtype=torch.float32).view(rows, COLUMNS) * 0.25 - 3).to(dtype)
+
+
 def inner_first_ops(dtype: torch.dtype, directory: str) -> dict[str, Any]:
-    full = whole(4, dtype).to(test_device())
-    outer, inner = divmod(dist.get_rank(), 2)  # the mesh's coordinate
-    tensor = inner_first(piece(full, flat(TABLE), inner * 2 + outer).clone(), TABLE, full.shape)
+    rank = dist.get_rank()
+    full = whole_rows(dtype).to(test_device())
+    tensor = inner_first(inner_first_rows(full, TABLE, rank).clone(), TABLE, full.shape)
     mesh = tensor.device_mesh
     out: dict[str, Any] = {"full_tensor": tensor.full_tensor()}
     out["by_column"] = tensor.redistribute(mesh, [Replicate(), Shard(1)]).to_local()
     out["to_torch"] = tensor.redistribute(mesh, [Shard(0), Shard(0)]).to_local()
+    out["reshard_to_torch"] = reshard(tensor, [Shard(0), Shard(0)]).to_local()  # not the label's no-op
+    cast = reshard(tensor.ragged_view(), [Replicate(), Replicate()], forward_dtype=torch.float64)
+    out["cast"] = cast.to_local()
     other = inner_first(torch.zeros(0), OTHER_TABLE, full.shape)
     out["to_other"] = reshard(tensor, other.ragged_placements, mesh_dim_order=(1, 0)).to_local()
     replicated = distribute_tensor(full, mesh, [Replicate(), Replicate()])
     out["from_whole"] = reshard(replicated, tensor.ragged_placements, mesh_dim_order=(1, 0)).to_local()
     dcp.save({"w": tensor}, checkpoint_id=directory)
     into_torch = {"w": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0), Shard(0)])}
-    mine = piece(full, flat(OTHER_TABLE), inner * 2 + outer)
+    mine = inner_first_rows(full, OTHER_TABLE, rank)
     into_other = {"w": inner_first(torch.zeros_like(mine), OTHER_TABLE, full.shape)}
     dcp.load(into_torch, checkpoint_id=directory)
     dcp.load(into_other, checkpoint_id=directory)
@@ -139,18 +156,27 @@ def inner_first_ops(dtype: torch.dtype, directory: str) -> dict[str, Any]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inner_first_splits_move_like_the_whole_tensor(dtype: torch.dtype, tmp_path: Path) -> None:
     """HFSDP's layout (inner shard first, ragged at both levels) through torch's own gather, redistribute
-    and DCP; its cut in torch's left-to-right order would put other rows on ranks 1 and 2."""
-    full = whole(4, dtype)
-    for rank, out in enumerate(run_distributed(inner_first_ops, 4, args=(dtype, str(tmp_path / "ckpt")))):
-        outer, inner = divmod(rank, 2)
-        torch_shard = torch_chunk(torch_chunk(full, 2, outer), 2, inner)
+    and DCP; cut in torch's left-to-right order, most ranks would hold other rows."""
+    full = whole_rows(dtype)
+    for rank, out in enumerate(run_distributed(inner_first_ops, 6, args=(dtype, str(tmp_path / "ckpt")))):
+        outer, inner = divmod(rank, MESH[1])
+        torch_shard = torch_chunk(torch_chunk(full, MESH[0], outer), MESH[1], inner)
         assert torch.equal(out["full_tensor"], full), rank
-        assert torch.equal(out["by_column"], torch_chunk(full, 2, inner, dim=1)), rank
+        assert torch.equal(out["by_column"], torch_chunk(full, MESH[1], inner, dim=1)), rank
         assert torch.equal(out["to_torch"], torch_shard), rank
-        assert torch.equal(out["to_other"], piece(full, flat(OTHER_TABLE), inner * 2 + outer)), rank
-        assert torch.equal(out["from_whole"], piece(full, flat(TABLE), inner * 2 + outer)), rank
+        assert torch.equal(out["reshard_to_torch"], torch_shard), rank
+        assert out["cast"].dtype == torch.float64, rank
+        assert torch.equal(out["cast"], full.double()), rank
+        assert torch.equal(out["to_other"], inner_first_rows(full, OTHER_TABLE, rank)), rank
+        assert torch.equal(out["from_whole"], inner_first_rows(full, TABLE, rank)), rank
         assert torch.equal(out["dcp"][0], full), rank
-        assert torch.equal(out["dcp"][1], piece(full, flat(OTHER_TABLE), inner * 2 + outer)), rank
+        assert torch.equal(out["dcp"][1], inner_first_rows(full, OTHER_TABLE, rank)), rank
+
+
+def test_a_mesh_dim_order_must_name_every_dim_once() -> None:
+    with pytest.raises(ValueError, match=r"mesh_dim_order \(1, 1\) must list each of the mesh's 2 dims once"):
+        checked_order(2, (1, 1))
+    assert checked_order(2, None) == (0, 1)
 
 
 def ragged_param(local: torch.Tensor, sizes: tuple[int, ...], shape: torch.Size) -> RaggedDTensor:

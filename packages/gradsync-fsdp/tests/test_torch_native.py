@@ -79,7 +79,8 @@ def native_ops(strategy: str, alignment: Any, outer: str | None) -> dict[str, An
     """After two steps: torch's own ops on every param, and the whole weights gathered gradsync's way to
     compare them with."""
     config = {"outer_dp_sharding_strategy": outer} if outer else {}
-    model = wrap(strategy, shard_alignment=alignment, outer=2 if outer else 1, **config)
+    outer_ranks = dist.get_world_size() // 2 if outer else 1  # a 3 x 2 mesh at 6 ranks
+    model = wrap(strategy, shard_alignment=alignment, outer=outer_ranks, **config)
     optimizer = fully_shard_optimizer(make_optimizer(model.parameters()))
     for step in range(2):
         model(local_microbatches(step, dist.get_rank(), dist.get_world_size(), 1)[0]).backward()
@@ -125,7 +126,7 @@ def native_ops(strategy: str, alignment: Any, outer: str | None) -> dict[str, An
         (4, "optim_grads_params", "mixed", None),
         (4, "optim_grads_params", "row", "no_shard"),  # HSDP: (Replicate, shard) over a 2 x 2 mesh
         (4, "optim_grads_params", "row", "optim"),  # HFSDP: (shard, shard), the inner dim cutting first
-        (4, "optim_grads_params", "matrices", "optim"),
+        (6, "optim_grads_params", "matrices", "optim"),  # HFSDP over 3 outer x 2 inner
     ],
 )
 def test_native_ops_on_every_policy(world: int, strategy: str, policy: str, outer: str | None) -> None:

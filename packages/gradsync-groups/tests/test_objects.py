@@ -3,6 +3,7 @@ is exercised), and in processes where NumPy cannot be imported they work where t
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -32,6 +33,10 @@ def exchange() -> dict[str, Any]:
     if rank % 2:
         out["subgroup"] = all_gather_objects(payload(rank), odd)
         out["subgroup_broadcast"] = broadcast_object(payload(rank), src=3, group=odd)
+        out["subgroup_to_3"] = gather_objects(payload(rank), dst=3, group=odd)  # a global rank
+    # 3-12 MB: decoded a byte at a time (a storage's bytes()), this would run past the test's timeout
+    big = bytes(range(256)) * (12_000 * (rank + 1))
+    out["big"] = [hashlib.sha256(b).hexdigest() for b in all_gather_objects(big)]
     return out
 
 
@@ -53,6 +58,12 @@ def test_objects_reach_every_rank_in_group_order() -> None:
         if rank % 2:
             assert [g["rank"] for g in out["subgroup"]] == [1, 3], rank
             assert same(out["subgroup_broadcast"], payload(3)), rank
+            if rank == 3:
+                assert [g["rank"] for g in out["subgroup_to_3"]] == [1, 3], rank
+            else:
+                assert out["subgroup_to_3"] is None, rank
+        want = [hashlib.sha256(bytes(range(256)) * (12_000 * (r + 1))).hexdigest() for r in range(world)]
+        assert out["big"] == want, rank
 
 
 WITHOUT_NUMPY = textwrap.dedent(

@@ -241,7 +241,9 @@ class HangWatchdog:
             time.sleep(self.interval_s)
             try:
                 everyone = all_gather_objects(self._progress(), self.side_group)
-            except RuntimeError as error:  # a rank stopped, died or left: the side group is done
+            # a rank stopped, died or left (RuntimeError), or the group was destroyed under us (ValueError):
+            # the side group is done
+            except (RuntimeError, ValueError) as error:
                 self.side_error = str(error).splitlines()[0][:200]
                 return
             self.peers = {p.rank: p for p in everyone}

@@ -110,9 +110,9 @@ def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
                 for name, value in opt.optimizer.state.get(piece.main, {}).items():
                     if is_elementwise(value, piece.main.numel()):
                         entry[name] = value.view(piece.param.shape).cpu()
-        scalars = {
+        scalars = {  # on the CPU before pickling: a CUDA tensor would unpickle onto the sender's device
             piece.name: {
-                k: v
+                k: v.cpu() if isinstance(v, torch.Tensor) else v
                 for k, v in opt.optimizer.state.get(piece.main, {}).items()
                 if not is_elementwise(v, piece.main.numel())
             }
@@ -124,9 +124,7 @@ def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
             parts = gather_objects(scalars, dist.get_global_rank(group, 0), group) or []
         for part in parts:
             for param_name, values in part.items():
-                state[param_name].update(
-                    {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
-                )
+                state[param_name].update(values)
     return {"format": "gathered", "param_groups": hyperparams(opt), "state": state}
 
 

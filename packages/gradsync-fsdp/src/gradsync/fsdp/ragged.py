@@ -213,8 +213,10 @@ def reshard(
     """``tensor.redistribute(placements)``, with ``placements`` cut in ``mesh_dim_order`` (left to right by
     default). Through ``Replicate`` where torch's executor would skip or mis-cut the move (see the module's
     limits); into a ragged split, or one in another order, by cutting that whole copy locally."""
+    if isinstance(tensor, RaggedDTensor):  # its placements are the dispatch label, not its split
+        tensor = tensor.ragged_view()
     mesh = tensor.device_mesh
-    order = tuple(range(mesh.ndim)) if mesh_dim_order is None else tuple(mesh_dim_order)
+    order = checked_order(mesh.ndim, mesh_dim_order)
     kwargs: dict[str, Any] = {
         "async_op": async_op,
         "forward_dtype": forward_dtype,
@@ -225,17 +227,33 @@ def reshard(
     )
     if unchanged and tensor._spec.shard_order == shard_order(placements, order) and forward_dtype is None:
         return tensor
-    if not torch_describes(placements, order):
-        whole = tensor.redistribute(mesh, [Replicate()] * mesh.ndim, **kwargs).to_local()
-        sizes, offsets = local_sizes_and_offsets(whole.shape, mesh, placements, order)
-        for dim, (size, offset) in enumerate(zip(sizes, offsets, strict=True)):
-            whole = whole.narrow(dim, offset, size)
-        return placed(whole, mesh, tensor.shape, tensor.stride(), placements, order)
-    if _reordered(tensor._spec) or any(
-        _executor_misses(old, new) for old, new in zip(tensor.placements, placements, strict=True)
+    ragged_target = not torch_describes(placements, order)
+    if (
+        ragged_target
+        or _reordered(tensor._spec)
+        or any(_executor_misses(old, new) for old, new in zip(tensor.placements, placements, strict=True))
     ):
+        # a plain hop: torch drops a spec's shard order where it casts (forward_dtype) on the way
         tensor = tensor.redistribute(mesh, [Replicate()] * mesh.ndim)
-    return tensor.redistribute(mesh, placements, **kwargs)
+    if not ragged_target:
+        return tensor.redistribute(mesh, placements, **kwargs)
+    whole = tensor.redistribute(mesh, tensor.placements, **kwargs).to_local()
+    sizes, offsets = local_sizes_and_offsets(whole.shape, mesh, placements, order)
+    for dim, (size, offset) in enumerate(zip(sizes, offsets, strict=True)):
+        whole = whole.narrow(dim, offset, size)
+    return placed(whole, mesh, tensor.shape, tensor.stride(), placements, order)
+
+
+def checked_order(ndim: int, mesh_dim_order: Sequence[int] | None) -> tuple[int, ...]:
+    """``mesh_dim_order`` (left to right when None), refused unless it lists each of a mesh's ``ndim``
+    dims once."""
+    if mesh_dim_order is None:
+        return tuple(range(ndim))
+    if sorted(mesh_dim_order) != list(range(ndim)):
+        raise ValueError(
+            f"mesh_dim_order {tuple(mesh_dim_order)} must list each of the mesh's {ndim} dims once"
+        )
+    return tuple(mesh_dim_order)
 
 
 def torch_describes(placements: Sequence[Placement], mesh_dim_order: Sequence[int]) -> bool:
@@ -295,9 +313,10 @@ def placed(
     placements: Sequence[Placement],
     mesh_dim_order: Sequence[int],
 ) -> DTensor:
-    """``DTensor.from_local`` (differentiable) with ``placements`` cut in ``mesh_dim_order``: from_local
-    takes no shard order, so the spec it built is swapped for one that has it (its backward compares
-    placements only, and they are the same)."""
+    """``DTensor.from_local`` with ``placements`` cut in ``mesh_dim_order``: from_local takes no shard
+    order, so the spec it built is swapped for one that has it. Differentiable where the grad comes back
+    in these placements (through ``redistribute``, which keeps the order); from_local's backward would
+    redistribute any other grad without the order."""
     tensor = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
     order = shard_order(placements, mesh_dim_order)
     if order != tensor._spec.shard_order:
@@ -327,8 +346,7 @@ class RaggedDTensor(DTensor):
         ``Shard(dim)`` where ``ragged_placements`` has a ragged split."""
         label = [Shard(p.dim) if isinstance(p, RaggedShard) else p for p in ragged_placements]
         spec = DTensorSpec(mesh, tuple(label), TensorMeta(shape, contiguous_stride(shape), local.dtype))
-        order = tuple(range(mesh.ndim)) if mesh_dim_order is None else tuple(mesh_dim_order)
-        split = (tuple(ragged_placements), order)
+        split = (tuple(ragged_placements), checked_order(mesh.ndim, mesh_dim_order))
         return RaggedDTensor._of(local.view_as(local), spec, split, local.requires_grad)
 
     def like(self, local: torch.Tensor) -> RaggedDTensor:
