@@ -50,3 +50,49 @@ def paths_agree(average: bool) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_native_and_alternative_paths_agree(average: bool, world: int) -> None:
     run_distributed(paths_agree, world, args=(average,))
+
+
+UNEVEN_CUTS = {2: (0, 50, 64), 4: (0, 30, 30, 101, 128)}  # rank 1 of 4 owns nothing
+
+
+def uneven_paths_agree(average: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Ragged shards (gradsync-fsdp's ragged buckets): this rank's shard of each reduction path, and the
+    whole bucket after each gather path."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.group.WORLD
+    assert group is not None
+    cuts = UNEVEN_CUTS[world]
+    lo, hi = cuts[rank], cuts[rank + 1]
+    reduced = []
+    for via in (False, True):
+        bucket = rank_data(world, rank)[: cuts[-1]].clone()
+        collectives.reduce_scatter(bucket, group, average=average, via_all_reduce=via, cuts=cuts).wait()
+        reduced.append(bucket[lo:hi].cpu())
+    gathered = []
+    full = torch.arange(cuts[-1], dtype=torch.float32, device=device())
+    for via in (False, True):
+        bucket = torch.full_like(full, -1.0)
+        bucket[lo:hi].copy_(full[lo:hi])
+        collectives.all_gather_shards(bucket, group, via_broadcasts=via, cuts=cuts).wait()
+        gathered.append(bucket.cpu())
+    return reduced, gathered
+
+
+@pytest.mark.parametrize("average", [False, True])
+@pytest.mark.parametrize("world", [2, 4])
+def test_uneven_shards_reduce_and_gather_at_their_cuts(average: bool, world: int) -> None:
+    cuts = UNEVEN_CUTS[world]
+    total = torch.stack([rank_data(world, r).cpu()[: cuts[-1]] for r in range(world)]).sum(dim=0)
+    want = total / world if average else total
+    for rank, (reduced, gathered) in enumerate(run_distributed(uneven_paths_agree, world, args=(average,))):
+        for shard in reduced:
+            assert torch.equal(shard, want[cuts[rank] : cuts[rank + 1]]), rank
+        for bucket in gathered:
+            assert torch.equal(bucket, torch.arange(cuts[-1], dtype=torch.float32)), rank
+
+
+def test_cuts_that_do_not_cover_the_buffer_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"shard cuts \(0, 5, 3, 10\) must rise from 0 to the buffer's 10"):
+        collectives.uneven_shards(torch.zeros(10), (0, 5, 3, 10))
+    with pytest.raises(ValueError, match="must rise from 0 to the buffer's 10 elements"):
+        collectives.uneven_shards(torch.zeros(10), (0, 5, 9))

@@ -47,5 +47,5 @@ def test_shards_cut_params_only_between_rows(shapes: list[torch.Size], world: in
 def test_items_do_not_overlap_and_padding_is_minimal_for_aligned_shapes() -> None:
     layout = compute_bucket_layout([torch.Size([4, 3]), torch.Size([5]), torch.Size([2, 3])], world=2)
     assert [(i.offset, i.end) for i in layout.items] == [(0, 12), (12, 17), (18, 24)]
-    assert (layout.size, layout.shard_size) == (24, 12)
+    assert (layout.size, layout.cuts) == (24, (0, 12, 24))
     assert (layout.local_rows(1, 0), layout.local_rows(1, 1)) == ((0, 0), (0, 5))  # rank 0 owns none

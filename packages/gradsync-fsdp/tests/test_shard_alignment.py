@@ -38,7 +38,7 @@ def _cuts(layout: Any, index: int) -> list[int]:
     item = layout.items[index]
     cuts = []
     for rank in range(1, layout.world):
-        boundary = rank * layout.shard_size
+        boundary = layout.cuts[rank]
         if item.offset < boundary < item.end:
             cuts.append(boundary - item.offset)
     return cuts
@@ -72,7 +72,28 @@ def test_block_and_row_cuts_fall_on_whole_blocks(
     layout = compute_bucket_layout(shapes, world, policies)
     assert all(cut % multiple == 0 for cut in _cuts(layout, 1))
     assert all(cut % 5 == 0 for cut in _cuts(layout, 2))
-    assert layout.size % world == 0
+    if policy == "row":  # equal shards; a block param makes them ragged
+        assert layout.cuts == tuple(r * layout.size // world for r in range(world + 1))
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ragged_buckets_hold_no_tail_padding(world: int) -> None:
+    """Whole matrices in equal shards pad every shard up to the largest (DP x the largest matrix when
+    ranks outnumber matrices); ragged shards hold what they own and nothing else."""
+    shapes = [torch.Size(s) for s in ([40, 12], [12], [37, 12], [12, 37], [7])]
+    numels = [math.prod(s) for s in shapes]
+    layout = compute_bucket_layout(shapes, world, [parse_shard_alignment("tensor")] * len(shapes))
+    assert layout.size == sum(numels)  # whole params need no alignment gaps
+    assert layout.balance().padding == 0
+    assert all(_cuts(layout, index) == [] for index in range(len(shapes)))
+    sizes = [hi - lo for lo, hi in itertools.pairwise(layout.cuts)]
+    assert sorted(sizes, reverse=True)[0] >= max(numels)
+    if world > len(shapes):
+        assert sizes.count(0) == world - len(shapes)  # ranks without a matrix hold nothing
+    # the rows each rank holds still tile every param
+    for index, shape in enumerate(shapes):
+        rows = [layout.local_rows(index, r) for r in range(world)]
+        assert sum(last - first for first, last in rows) == shape[0]
 
 
 def test_policies_by_name_pattern_and_callable() -> None:
@@ -175,9 +196,10 @@ def test_the_wrapper_reports_padding_and_imbalance(alignment: Any) -> None:
     for total, padding, imbalance, _ in results:
         assert total == sum(held) == numel
         assert imbalance == pytest.approx(max(held) / (sum(held) / len(held)))
-        assert padding > 0  # odd widths: 37-row matrices, 12-wide rows
-    if alignment == "tensor":
-        assert results[0][1] > run_distributed(_balance, 4, args=(None,))[0][1]  # whole params pad more
+        if alignment is None:
+            assert padding > 0  # odd widths: 37-row matrices, 12-wide rows, in equal shards
+        else:
+            assert padding == 0  # ragged shards: whole params, no alignment gaps
 
 
 def test_buckets_of_one_shape_spread_their_largest_params() -> None:

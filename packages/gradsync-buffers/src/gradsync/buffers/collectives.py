@@ -11,6 +11,10 @@ gradsync-groups, never from backend names:
   a copy of the bucket is all-reduced and only this rank's slice copied back — the same result.
 - param all-gather: native ``all_gather_into_tensor``, or, where faster (gloo: measured at about a third
   of the all-gather's time), one broadcast per shard from its owner straight into the bucket.
+- uneven shards (``cuts``, gradsync-fsdp's ragged buckets): no backend's native reduce-scatter or
+  all-gather takes them, so each non-empty shard is reduced to (``dist.reduce``), or broadcast from, its
+  owner in place; empty shards cost nothing. gloo's reduce uses the other ranks' buffers as scratch, so
+  there only this rank's shard is defined afterwards.
 
 ``dist_reduce_scatter_func`` and ``dist_all_gather_func`` are looked up at call time, so tests can
 substitute them.
@@ -18,7 +22,8 @@ substitute them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,6 +146,16 @@ def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> list[to
     return [buffer[r * size : (r + 1) * size] for r in range(data_parallel_world_size)]
 
 
+def uneven_shards(buffer: torch.Tensor, cuts: Sequence[int]) -> list[torch.Tensor]:
+    """The views ``buffer[cuts[r]:cuts[r + 1]]``, one per rank; ``cuts`` must run from 0 to the buffer's
+    size without going back."""
+    if cuts[0] != 0 or cuts[-1] != buffer.numel() or any(b < a for a, b in itertools.pairwise(cuts)):
+        raise ValueError(
+            f"shard cuts {tuple(cuts)} must rise from 0 to the buffer's {buffer.numel()} elements"
+        )
+    return [buffer[lo:hi] for lo, hi in itertools.pairwise(cuts)]
+
+
 def shard_of(buffer: torch.Tensor, data_parallel_world_size: int, rank: int) -> torch.Tensor:
     """``rank``'s view of :func:`shard_buffer` without building the others (O(1) at any DP size)."""
     size = _shard_size(buffer, data_parallel_world_size)
@@ -183,14 +198,20 @@ def reduce_scatter(
     *,
     average: bool = False,
     via_all_reduce: bool | None = None,
+    cuts: Sequence[int] | None = None,
     label: str = "",
 ) -> Launched:
-    """Reduce ``bucket`` so this rank's shard holds the sum (or mean); other shards keep local values.
+    """Reduce ``bucket`` so this rank's shard holds the sum (or mean); other shards keep local values
+    (with ``cuts`` on gloo: undefined, see the module's notes).
 
+    ``cuts``: the shards' boundaries (``group.size() + 1`` of them) when they are not equal.
     ``via_all_reduce`` overrides the backend's choice of path (for benchmarks and tests).
     """
     size, rank = group.size(), group.rank()
-    shard = shard_of(bucket, size, rank)
+    pieces = uneven_shards(bucket, cuts) if cuts is not None else None
+    equal = _shard_size(bucket, size) if cuts is None else 0
+    lo, hi = (cuts[rank], cuts[rank + 1]) if cuts is not None else (rank * equal, (rank + 1) * equal)
+    shard = bucket[lo:hi]
     op, divide = _reduce_op(group, bucket.device, average)
     if via_all_reduce is None:
         caps = get_backend_capabilities(group, bucket.device)
@@ -200,9 +221,18 @@ def reduce_scatter(
         launched = Launched([dist.all_reduce(copy, op=op, group=group, async_op=True)])
 
         def keep_own_shard() -> None:
-            shard.copy_(shard_of(copy, size, rank))
+            shard.copy_(copy[lo:hi])
 
         launched.after.append(keep_own_shard)
+    elif pieces is not None:
+        ranks = dist.get_process_group_ranks(group)
+        launched = Launched(
+            [
+                dist.reduce(piece, dst=ranks[owner], op=op, group=group, async_op=True)
+                for owner, piece in enumerate(pieces)
+                if piece.numel()
+            ]
+        )
     else:
         launched = Launched([dist_reduce_scatter_func(shard, bucket, op=op, group=group, async_op=True)])
     launched.record("reduce_scatter", label, bucket, group)
@@ -216,20 +246,28 @@ def all_gather_shards(
     group: dist.ProcessGroup,
     *,
     via_broadcasts: bool | None = None,
+    cuts: Sequence[int] | None = None,
     label: str = "",
 ) -> Launched:
     """Fill every shard of ``bucket`` from its owner rank (this rank's shard is its own input).
 
-    ``via_broadcasts`` overrides the backend's choice of path (for benchmarks and tests).
+    ``cuts``: the shards' boundaries (``group.size() + 1`` of them) when they are not equal; each
+    non-empty one is broadcast from its owner. ``via_broadcasts`` overrides the backend's choice of path
+    (for benchmarks and tests).
     """
     size, rank = group.size(), group.rank()
     if via_broadcasts is None:
         caps = get_backend_capabilities(group, bucket.device)
         via_broadcasts = caps.all_gather_via_broadcasts or not caps.all_gather_into_tensor
-    if via_broadcasts:  # one broadcast per rank: the views are needed anyway
-        shards, ranks = shard_buffer(bucket, size), dist.get_process_group_ranks(group)
+    if via_broadcasts or cuts is not None:  # one broadcast per rank: the views are needed anyway
+        shards = uneven_shards(bucket, cuts) if cuts is not None else shard_buffer(bucket, size)
+        ranks = dist.get_process_group_ranks(group)
         launched = Launched(
-            [dist.broadcast(shards[r], src=ranks[r], group=group, async_op=True) for r in range(size)]
+            [
+                dist.broadcast(shards[r], src=ranks[r], group=group, async_op=True)
+                for r in range(size)
+                if shards[r].numel()
+            ]
         )
     else:
         launched = Launched(

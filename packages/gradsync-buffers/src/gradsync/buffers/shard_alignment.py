@@ -265,6 +265,30 @@ def _place_whole(
     return placed
 
 
+def drop_tail_padding(
+    offsets: Sequence[int], numels: Sequence[int], shard_size: int, world: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Ragged shards from a :func:`pack_shards` layout: each shard without the padding at its tail, so the
+    bucket holds only its params and the alignment gaps between them (no param crosses a boundary with
+    padding before it, so every param stays contiguous and every cut stays where it was in its params).
+    Returns the params' new offsets and the ``world + 1`` shard cuts."""
+    if shard_size == 0:
+        return tuple(offsets), (0,) * (world + 1)
+    used = [rank * shard_size for rank in range(world)]  # where each shard's last param ends
+    for offset, numel in zip(offsets, numels, strict=True):
+        for rank in range(offset // shard_size, -(-(offset + numel) // shard_size)):
+            used[rank] = max(used[rank], min(offset + numel, (rank + 1) * shard_size))
+    removed = [0]
+    for rank in range(world):
+        removed.append(removed[-1] + (rank + 1) * shard_size - used[rank])
+    cuts = tuple(rank * shard_size - removed[rank] for rank in range(world + 1))
+    moved = []
+    for offset in offsets:
+        rank = min(offset // shard_size, world - 1)
+        moved.append(min(offset - removed[rank], cuts[rank + 1]))  # an empty param in the tail: its end
+    return tuple(moved), cuts
+
+
 def owned_elements(offsets: Sequence[int], numels: Sequence[int], shard_size: int, world: int) -> list[int]:
     """Param elements (padding excluded) in each of ``world`` shards."""
     owned = [0] * world

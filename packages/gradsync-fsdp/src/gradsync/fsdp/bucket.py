@@ -121,9 +121,16 @@ class FlatParamBucket:
         # This rank's shard of the layout: inner rank i, outer piece o -> i*M + o (spec §2.6).
         self.rank = group.rank() * pieces + (outer.piece if outer is not None else 0)
         self.shard_lo, self.shard_hi = 0, self.layout.size  # the inner shard: gathers and grads
+        cuts, first = self.layout.cuts, group.rank() * pieces
         if sharding.shard_main:
-            self.shard_lo = group.rank() * pieces * self.layout.shard_size
-            self.shard_hi = self.shard_lo + pieces * self.layout.shard_size
+            self.shard_lo, self.shard_hi = cuts[first], cuts[first + pieces]
+        # ragged shards: the boundaries the collectives take, of the inner shards and of this one's pieces
+        self.inner_cuts = cuts[::pieces] if self.layout.ragged else None
+        self.outer_cuts = (
+            tuple(cut - self.shard_lo for cut in cuts[first : first + pieces + 1])
+            if self.layout.ragged and pieces > 1
+            else None
+        )
         self._outer_stale = False  # outer optim: other pieces of the inner weight shard are outdated
         self.dtype, self.device = spec.dtype, device
         self.allocators = allocators or BucketAllocators.dynamic()
@@ -233,7 +240,9 @@ class FlatParamBucket:
             assert self.weight_shard is not None
             self._outer_stale = False
             self._record("all_gather", self.weight_shard, self.outer.group)
-            outer = all_gather_shards(self.weight_shard, self.outer.group, label=f"{self.label}.outer")
+            outer = all_gather_shards(
+                self.weight_shard, self.outer.group, cuts=self.outer_cuts, label=f"{self.label}.outer"
+            )
             self._gather = chain(outer, self._gather_inner, self.outer.group, self.device)
         else:
             self._gather = self._gather_inner()
@@ -243,7 +252,7 @@ class FlatParamBucket:
         if self.weight_shard is not None:
             self.weight[self.shard_lo : self.shard_hi].copy_(self.weight_shard)
         self._record("all_gather", self.weight, self.gather_group)
-        return all_gather_shards(self.weight, self.gather_group, label=self.label)
+        return all_gather_shards(self.weight, self.gather_group, cuts=self.inner_cuts, label=self.label)
 
     def wait_gather(self) -> None:
         if self.status is BucketStatus.EMPTY:
@@ -341,7 +350,9 @@ class FlatParamBucket:
         if not self.sharding.shard_main:
             launched = all_reduce(wire, self.group, average=reduction.average, label=self.label)
         else:
-            launched = reduce_scatter(wire, self.group, average=reduction.average, label=self.label)
+            launched = reduce_scatter(
+                wire, self.group, average=reduction.average, cuts=self.inner_cuts, label=self.label
+            )
         launched.after.append(lambda: self._finish_reduce(wire))
         self._record("all_reduce" if not self.sharding.shard_main else "reduce_scatter", wire, self.group)
         return launched
@@ -405,7 +416,9 @@ class FlatParamBucket:
         wire = region if self.comm_dtype == region.dtype else region.to(self.comm_dtype)
         label = f"{self.label}.outer"
         if self.outer.shard:
-            launched = reduce_scatter(wire, self.outer.group, average=reduction.average, label=label)
+            launched = reduce_scatter(
+                wire, self.outer.group, average=reduction.average, cuts=self.outer_cuts, label=label
+            )
         else:
             launched = all_reduce(wire, self.outer.group, average=reduction.average, label=label)
         if wire is not region:

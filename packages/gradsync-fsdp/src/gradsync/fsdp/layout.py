@@ -1,8 +1,10 @@
 """Where every param of a bucket lives in its flat buffer, and which rows each rank's shard holds.
 
-A bucket's flat buffer is cut into ``world`` equal shards. The optimizer sees each param's local part as a
-dim-0 DTensor shard, so every shard boundary must fall on a row boundary of every param it cuts, and on
-a place its shard-alignment policy allows (:mod:`gradsync.buffers.shard_alignment`: ``row`` by default,
+A bucket's flat buffer is cut into ``world`` shards, equal ones unless a ``tensor`` or ``block`` param lives
+in it: then each shard is as long as what it holds (a ragged bucket, veScale-FSDP's layout), because equal
+shards would pad every rank up to the largest whole matrix. The optimizer sees each param's local part as a
+dim-0 DTensor shard, so every shard boundary must fall on a row boundary of every param it cuts, and on a
+place its shard-alignment policy allows (:mod:`gradsync.buffers.shard_alignment`: ``row`` by default,
 ``block`` keeps tiles whole, ``tensor`` keeps the param in one shard). The packing itself is
 gradsync-buffers' :func:`~gradsync.buffers.shard_alignment.pack_shards`, which gradsync-ddp's distributed
 optimizer shares.
@@ -10,6 +12,7 @@ optimizer shares.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ from gradsync.buffers.shard_alignment import (
     ROW,
     ShardAlignment,
     ShardBalance,
-    owned_elements,
+    drop_tail_padding,
     pack_shards,
     row_size,
 )
@@ -53,25 +56,36 @@ class ItemPlacement:
 
 @dataclass(frozen=True)
 class BucketLayout:
-    """The flat layout of one bucket over ``world`` shards."""
+    """The flat layout of one bucket over ``world`` shards: shard r is ``[cuts[r], cuts[r + 1])``."""
 
     items: tuple[ItemPlacement, ...]
-    size: int
-    world: int
+    cuts: tuple[int, ...]
 
     @property
-    def shard_size(self) -> int:
-        return self.size // self.world
+    def size(self) -> int:
+        return self.cuts[-1]
+
+    @property
+    def world(self) -> int:
+        return len(self.cuts) - 1
+
+    @property
+    def ragged(self) -> bool:
+        """Whether the shards differ in size (the collectives then take the cuts)."""
+        return len({hi - lo for lo, hi in itertools.pairwise(self.cuts)}) > 1
 
     def balance(self) -> ShardBalance:
         """Padding, and the param elements each shard holds."""
-        numels = [item.numel for item in self.items]
-        owned = owned_elements([item.offset for item in self.items], numels, self.shard_size, self.world)
-        return ShardBalance(sum(numels), self.size, tuple(owned))
+        owned = [0] * self.world
+        for item in self.items:
+            for rank in range(self.world):
+                lo, hi = self.shard_range(rank)
+                owned[rank] += max(0, min(item.end, hi) - max(item.offset, lo))
+        return ShardBalance(sum(item.numel for item in self.items), self.size, tuple(owned))
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of ``rank``'s shard in buffer coordinates."""
-        return rank * self.shard_size, (rank + 1) * self.shard_size
+        return self.cuts[rank], self.cuts[rank + 1]
 
     def local_rows(self, index: int, rank: int) -> tuple[int, int]:
         """The rows ``[first, last)`` of item ``index`` that lie in ``rank``'s shard (may be empty)."""
@@ -97,7 +111,8 @@ def compute_bucket_layout(
 ) -> BucketLayout:
     """Place ``shapes`` in ``world`` equal shards: cut params start at a multiple of their row (or
     block-row) size, the shard size is a multiple of all of those, and ``tensor`` params sit whole in the
-    shard with the most room (ties from ``first_rank`` on, see :func:`pack_shards`). A single shard needs
+    shard with the most room (ties from ``first_rank`` on, see :func:`pack_shards`); with a ``tensor`` or
+    ``block`` param, each shard then loses the padding at its tail (ragged shards). A single shard needs
     no alignment and no padding."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
@@ -119,5 +134,10 @@ def compute_bucket_layout(
         world,
         first_rank=first_rank,
     )
-    items = tuple(ItemPlacement(offset, shape) for offset, shape in zip(packed.offsets, sizes, strict=True))
-    return BucketLayout(items, packed.shard_size * world, world)
+    offsets: Sequence[int] = packed.offsets
+    cuts = tuple(rank * packed.shard_size for rank in range(world + 1))
+    if world > 1 and any(policy.kind in ("tensor", "block") for policy in policies):
+        numels = [math.prod(shape) for shape in sizes]
+        offsets, cuts = drop_tail_padding(offsets, numels, packed.shard_size, world)
+    items = tuple(ItemPlacement(offset, shape) for offset, shape in zip(offsets, sizes, strict=True))
+    return BucketLayout(items, cuts)
