@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -128,24 +129,35 @@ def test_command_line(tmp_path: Path) -> None:
     assert PUBLISHED["nccl-h100-nvlink"].source.split(";")[0] in out.stdout
 
 
-@pytest.mark.parametrize("strategy", ["distopt", "zero3"])
-def test_padding_of_shard_alignment_policies(strategy: str) -> None:
+def test_padding_of_shard_alignment_policies() -> None:
     """The padding each policy costs: the padded layout's elements minus the params', counted here from
-    the shapes; whole matrices cost more than cuts anywhere, block-rows in between, and wire bytes and
-    memory grow with it."""
+    the shapes. The distributed optimizer's equal shards: whole matrices cost more than cuts anywhere,
+    block-rows in between, and wire bytes grow with it. ZeRO-3's ragged units (gradsync-fsdp) hold whole
+    matrices without padding, however many ranks share them."""
     shapes, units = gpt_shapes(64, 2, 96), gpt_units(2)
     cost = PUBLISHED["nccl-h100-ib"]
-    got = {}
-    for policy in ("row", "block:16x64", "tensor"):
-        specs = specs_from_shapes(shapes, parse_shard_alignment(policy))
-        got[policy] = predict(strategy, specs, 8, cost, bucket_size=20_000, units=units)
     numel = sum(math.prod(s) for s in shapes)
+    got: dict[tuple[str, str, int], Any] = {}
+    for strategy in ("distopt", "zero3"):
+        for policy in ("row", "block:16x64", "tensor"):
+            for dp in (8, 64):
+                specs = specs_from_shapes(shapes, parse_shard_alignment(policy))
+                got[strategy, policy, dp] = predict(
+                    strategy, specs, dp, cost, bucket_size=20_000, units=units
+                )
     for prediction in got.values():
         padded = prediction.padding_bytes / FP32 + numel
         assert padded == int(padded)
-        assert padded % 8 == 0
-    assert got["row"].padding_bytes < got["block:16x64"].padding_bytes < got["tensor"].padding_bytes
-    assert got["row"].wire_bytes < got["tensor"].wire_bytes
+    distopt = {policy: got["distopt", policy, 8] for policy in ("row", "block:16x64", "tensor")}
+    assert (
+        distopt["row"].padding_bytes < distopt["block:16x64"].padding_bytes < distopt["tensor"].padding_bytes
+    )
+    assert distopt["row"].wire_bytes < distopt["tensor"].wire_bytes
+    for dp in (8, 64):
+        assert got["zero3", "tensor", dp].padding_bytes == 0  # whole matrices need no alignment gaps
+        assert got["zero3", "tensor", dp].padding_bytes < got["distopt", "tensor", dp].padding_bytes
+    # equal shards pad more as ranks are added; ragged ones do not
+    assert got["distopt", "tensor", 64].padding_bytes > got["distopt", "tensor", 8].padding_bytes
 
 
 @pytest.mark.parametrize("shape", [(12, 40), (40, 12), (16, 4, 5), (7, 7)])

@@ -9,13 +9,14 @@ a gather must finish before the forward reaches its params. Exposed time is how 
 
 Strategies (fp32 params and grads, Adam: two fp32 states per param; ``ddp``: all-reduce per bucket;
 ``distopt``: reduce-scatter per bucket, then the param all-gather overlapped with the next forward;
-``zero3``: the model's FSDP units (``units``: each param's unit, None outside every unit), one bucket
-each, gathered before its forward and again before its backward (one unit prefetched; the last unit stays
-gathered from its forward into the backward), its grads reduce-scattered after its backward; the params
-outside units form buckets (split at the bucket size) gathered at the forward's start, held whole through
-the step, their grads reduce-scattered at the backward's end. Peak memory follows gradsync-fsdp's
-schedule: the sharded state, the non-unit buckets' weights and unreduced grads whole, two units' weights
-(one computing, one prefetched) and three units' unreduced grads (two reductions in flight, one filling).
+``zero3``: the model's FSDP units (``units``: each param's unit, None outside every unit), one bucket each
+(ragged, as gradsync-fsdp lays it out, where it holds ``tensor`` or ``block`` params), gathered before its
+forward and again before its backward (one unit prefetched; the last unit stays gathered from its forward
+into the backward), its grads reduce-scattered after its backward; the params outside units form buckets
+(split at the bucket size) gathered at the forward's start, held whole through the step, their grads
+reduce-scattered at the backward's end. Peak memory follows gradsync-fsdp's schedule: the sharded state,
+the non-unit buckets' weights and unreduced grads whole, two units' weights (one computing, one
+prefetched) and three units' unreduced grads (two reductions in flight, one filling).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import default_bucket_size
-from ..layout import ParamSpec, compute_param_layout, shard_cut
-from ..shard_alignment import ROW, ShardAlignment
+from ..layout import ParamSpec, PerBufferParamLayout, compute_param_layout, shard_cut
+from ..shard_alignment import ROW, ShardAlignment, drop_tail_padding, pack_shards
 from .costs import LinkCosts
 
 STRATEGIES = ("ddp", "distopt", "zero3")
@@ -63,7 +64,18 @@ def bucket_sizes(
 ) -> list[int]:
     """Padded bucket sizes (elements), in the order the backward fills them (last params first);
     ``cuts``: each param's shard-alignment rule (:func:`~gradsync.buffers.layout.shard_cut`)."""
-    layout = compute_param_layout(
+    layout = _padded_layout(numels, bucket_size, dp, pad_for_high_nccl_busbw, cuts)
+    return [end - start for start, end in layout.bucket_indices]
+
+
+def _padded_layout(
+    numels: Sequence[int],
+    bucket_size: int | None,
+    dp: int,
+    pad_for_high_nccl_busbw: bool,
+    cuts: Sequence[tuple[int, bool]] | None,
+) -> PerBufferParamLayout:
+    return compute_param_layout(
         list(numels),
         bucket_size,
         padded=True,
@@ -71,7 +83,29 @@ def bucket_sizes(
         pad_for_high_nccl_busbw=pad_for_high_nccl_busbw,
         shard_cuts=cuts,
     )
-    return [end - start for start, end in layout.bucket_indices]
+
+
+def fsdp_bucket_sizes(
+    numels: Sequence[int],
+    bucket_size: int | None,
+    dp: int,
+    pad_for_high_nccl_busbw: bool,
+    cuts: Sequence[tuple[int, bool]],
+) -> list[int]:
+    """:func:`bucket_sizes` as gradsync-fsdp lays them out: a bucket holding ``tensor`` or ``block``
+    params is ragged (packed into ``dp`` equal shards as the cuts allow, then each shard without its tail
+    padding)."""
+    layout = _padded_layout(numels, bucket_size, dp, pad_for_high_nccl_busbw, cuts)
+    sizes = [end - start for start, end in layout.bucket_indices]
+    members: dict[int, list[int]] = {}
+    for index, (_, _, bucket) in layout.param_index_map.items():
+        members.setdefault(bucket, []).append(index)
+    for bucket, indices in members.items():
+        if any(cuts[i] != (1, False) for i in indices):
+            own = [numels[i] for i in indices]
+            packed = pack_shards(own, [cuts[i][0] for i in indices], [cuts[i][1] for i in indices], dp)
+            sizes[bucket] = drop_tail_padding(packed.offsets, own, packed.shard_size, dp)[1][-1]
+    return sizes
 
 
 def _channel(events: Sequence[tuple[float, float]]) -> tuple[float, list[float]]:
@@ -220,9 +254,9 @@ def _predict_zero3(
     unit_sizes = []  # one bucket per unit, padded as the layout pads it
     for unit in unit_ids:
         unit_numels, unit_cuts = members(unit)
-        unit_sizes.append(sum(bucket_sizes(unit_numels, None, dp, pad, unit_cuts)))
+        unit_sizes.append(sum(fsdp_bucket_sizes(unit_numels, None, dp, pad, unit_cuts)))
     outside, outside_cuts = members(None)
-    other_sizes = bucket_sizes(outside, size, dp, pad, outside_cuts) if outside else []
+    other_sizes = fsdp_bucket_sizes(outside, size, dp, pad, outside_cuts) if outside else []
     share, padded = (dp - 1) / dp, sum(unit_sizes) + sum(other_sizes)
     gathered = [*unit_sizes, *unit_sizes[:-1], *other_sizes]  # the last unit is kept into the backward
     collectives = [("all_gather", s) for s in gathered] + [
