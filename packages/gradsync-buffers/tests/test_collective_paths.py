@@ -92,7 +92,9 @@ def test_uneven_shards_reduce_and_gather_at_their_cuts(average: bool, world: int
 
 
 def test_cuts_that_do_not_cover_the_buffer_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"shard cuts \(0, 5, 3, 10\) must rise from 0 to the buffer's 10"):
-        collectives.uneven_shards(torch.zeros(10), (0, 5, 3, 10))
-    with pytest.raises(ValueError, match="must rise from 0 to the buffer's 10 elements"):
-        collectives.uneven_shards(torch.zeros(10), (0, 5, 9))
+    with pytest.raises(ValueError, match=r"shard cuts \(0, 5, 3, 10\) must be 4 boundaries rising from 0"):
+        collectives.uneven_shards(torch.zeros(10), (0, 5, 3, 10), 3)
+    with pytest.raises(ValueError, match="to the buffer's 10 elements"):
+        collectives.uneven_shards(torch.zeros(10), (0, 5, 9), 2)
+    with pytest.raises(ValueError, match="must be 3 boundaries"):  # cuts for another group size
+        collectives.uneven_shards(torch.zeros(10), (0, 5, 6, 10), 2)

@@ -146,12 +146,18 @@ def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> list[to
     return [buffer[r * size : (r + 1) * size] for r in range(data_parallel_world_size)]
 
 
-def uneven_shards(buffer: torch.Tensor, cuts: Sequence[int]) -> list[torch.Tensor]:
-    """The views ``buffer[cuts[r]:cuts[r + 1]]``, one per rank; ``cuts`` must run from 0 to the buffer's
-    size without going back."""
-    if cuts[0] != 0 or cuts[-1] != buffer.numel() or any(b < a for a, b in itertools.pairwise(cuts)):
+def uneven_shards(buffer: torch.Tensor, cuts: Sequence[int], num_shards: int) -> list[torch.Tensor]:
+    """The views ``buffer[cuts[r]:cuts[r + 1]]``, one per rank; ``cuts`` must be ``num_shards + 1``
+    boundaries running from 0 to the buffer's size without going back."""
+    if (
+        len(cuts) != num_shards + 1
+        or cuts[0] != 0
+        or cuts[-1] != buffer.numel()
+        or any(b < a for a, b in itertools.pairwise(cuts))
+    ):
         raise ValueError(
-            f"shard cuts {tuple(cuts)} must rise from 0 to the buffer's {buffer.numel()} elements"
+            f"shard cuts {tuple(cuts)} must be {num_shards + 1} boundaries rising from 0 to the buffer's "
+            f"{buffer.numel()} elements (one shard per rank of the group)"
         )
     return [buffer[lo:hi] for lo, hi in itertools.pairwise(cuts)]
 
@@ -208,7 +214,7 @@ def reduce_scatter(
     ``via_all_reduce`` overrides the backend's choice of path (for benchmarks and tests).
     """
     size, rank = group.size(), group.rank()
-    pieces = uneven_shards(bucket, cuts) if cuts is not None else None
+    pieces = uneven_shards(bucket, cuts, size) if cuts is not None else None
     equal = _shard_size(bucket, size) if cuts is None else 0
     lo, hi = (cuts[rank], cuts[rank + 1]) if cuts is not None else (rank * equal, (rank + 1) * equal)
     shard = bucket[lo:hi]
@@ -260,7 +266,7 @@ def all_gather_shards(
         caps = get_backend_capabilities(group, bucket.device)
         via_broadcasts = caps.all_gather_via_broadcasts or not caps.all_gather_into_tensor
     if via_broadcasts or cuts is not None:  # one broadcast per rank: the views are needed anyway
-        shards = uneven_shards(bucket, cuts) if cuts is not None else shard_buffer(bucket, size)
+        shards = uneven_shards(bucket, cuts, size) if cuts is not None else shard_buffer(bucket, size)
         ranks = dist.get_process_group_ranks(group)
         launched = Launched(
             [
