@@ -19,6 +19,7 @@ from .shard_alignment import (
     ROW,
     ShardAlignment,
     ShardBalance,
+    equal_cuts,
     owned_elements,
     pack_shards,
     shard_alignment_of,
@@ -157,7 +158,8 @@ class PerBufferParamLayout:
             members = [self.param_index_map[i] for i in self.bucket_params(bucket_id)]
             numels = [hi - lo for lo, hi, _ in members]
             shard = (end - start) // num_shards
-            in_bucket = owned_elements([lo - start for lo, _, _ in members], numels, shard, num_shards)
+            cuts = equal_cuts(shard, num_shards)
+            in_bucket = owned_elements([lo - start for lo, _, _ in members], numels, cuts)
             owned = [a + b for a, b in zip(owned, in_bucket, strict=True)]
             numel += sum(numels)
         return ShardBalance(numel, self.numel, tuple(owned))

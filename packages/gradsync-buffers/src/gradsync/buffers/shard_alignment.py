@@ -24,6 +24,7 @@ Nothing here needs a process group.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -289,13 +290,17 @@ def drop_tail_padding(
     return tuple(moved), cuts
 
 
-def owned_elements(offsets: Sequence[int], numels: Sequence[int], shard_size: int, world: int) -> list[int]:
-    """Param elements (padding excluded) in each of ``world`` shards."""
-    owned = [0] * world
+def equal_cuts(shard_size: int, world: int) -> tuple[int, ...]:
+    """The ``world + 1`` boundaries of ``world`` equal shards."""
+    return tuple(rank * shard_size for rank in range(world + 1))
+
+
+def owned_elements(offsets: Sequence[int], numels: Sequence[int], cuts: Sequence[int]) -> list[int]:
+    """Param elements (padding excluded) in each shard ``[cuts[r], cuts[r + 1])``."""
+    owned = [0] * (len(cuts) - 1)
     for offset, numel in zip(offsets, numels, strict=True):
-        for rank in range(world):
-            lo, hi = max(offset, rank * shard_size), min(offset + numel, (rank + 1) * shard_size)
-            owned[rank] += max(0, hi - lo)
+        for rank, (start, end) in enumerate(itertools.pairwise(cuts)):
+            owned[rank] += max(0, min(offset + numel, end) - max(offset, start))
     return owned
 
 

@@ -24,6 +24,8 @@ from gradsync.buffers.shard_alignment import (
     ShardAlignment,
     ShardBalance,
     drop_tail_padding,
+    equal_cuts,
+    owned_elements,
     pack_shards,
     row_size,
 )
@@ -76,12 +78,9 @@ class BucketLayout:
 
     def balance(self) -> ShardBalance:
         """Padding, and the param elements each shard holds."""
-        owned = [0] * self.world
-        for item in self.items:
-            for rank in range(self.world):
-                lo, hi = self.shard_range(rank)
-                owned[rank] += max(0, min(item.end, hi) - max(item.offset, lo))
-        return ShardBalance(sum(item.numel for item in self.items), self.size, tuple(owned))
+        numels = [item.numel for item in self.items]
+        owned = owned_elements([item.offset for item in self.items], numels, self.cuts)
+        return ShardBalance(sum(numels), self.size, tuple(owned))
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of ``rank``'s shard in buffer coordinates."""
@@ -135,7 +134,7 @@ def compute_bucket_layout(
         first_rank=first_rank,
     )
     offsets: Sequence[int] = packed.offsets
-    cuts = tuple(rank * packed.shard_size for rank in range(world + 1))
+    cuts = equal_cuts(packed.shard_size, world)
     if world > 1 and any(policy.kind in ("tensor", "block") for policy in policies):
         numels = [math.prod(shape) for shape in sizes]
         offsets, cuts = drop_tail_padding(offsets, numels, packed.shard_size, world)
