@@ -31,6 +31,12 @@ DECLARES = {
 }
 PACKAGES = tuple(LAYERS)
 
+# torch releases the compat sessions run on besides the pinned one: the floor the packages declare, what
+# current GPU images ship, and the newest release. Each takes a CUDA build from the registry (about 4.6 GB,
+# run on the CPU); the venvs are reused between runs, so only a fresh machine downloads them.
+COMPAT_TORCH = {"2.6": "2.6.0", "2.11": "2.11.0", "2.15": "2.15.0"}
+FLOOR_TORCH = "2.6"
+
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
 nox.options.sessions = [
@@ -38,6 +44,7 @@ nox.options.sessions = [
     "layers",
     "typecheck",
     *(f"tests-{p}" for p in PACKAGES),
+    *(f"compat-{label}" for label in COMPAT_TORCH),
     "build",
     "integration",
     "mutations",
@@ -145,13 +152,21 @@ def build(session: nox.Session) -> None:
     shutil.rmtree(dist_dir, ignore_errors=True)
     for name in PACKAGES:
         session.run("python", "-m", "build", "--wheel", "--outdir", str(dist_dir), pkg_dir(name))
+    check_readme_installs(session)
+
+
+def check_readme_installs(session: nox.Session, env: dict[str, str] | None = None) -> None:
+    """Run every README's ``pip install packages/...`` line verbatim over the torch already in the venv
+    and check what each installs (see ``build``)."""
+    for package in PACKAGES:  # a reused venv may still hold them
+        session.run("python", "-m", "pip", "uninstall", "-y", "-q", f"gradsync-{package}")
     commands = readme_install_commands()
     if {target for target, _ in commands} != set(PACKAGES):
         session.error(f"the READMEs show install commands for {sorted({t for t, _ in commands})} only")
     for target, command in commands:
         if installed_gradsync(session):
             session.error(f"venv not clean before `{' '.join(command)}`")
-        session.run("python", "-m", *command)
+        session.run("python", "-m", *command, env=env)
         session.run("python", "-c", f"import gradsync.{target} as m; print(m.__name__, m.__version__)")
         pulled = installed_gradsync(session) - {target}
         if pulled != closure(target):
@@ -188,6 +203,60 @@ def installed_gradsync(session: nox.Session) -> set[str]:
     assert isinstance(out, str)
     names = {entry["name"].lower() for entry in json.loads(out)}
     return {n.removeprefix("gradsync-") for n in names if n.startswith("gradsync-")}
+
+
+# The subset each compat session runs: every wrapper (DDP, distributed optimizer, MegatronFSDP's four
+# strategies, HSDP / HFSDP, the fully_shard and fsdp2 APIs), every checkpoint path (DCP resharding, the
+# optimizer's state on ranks owning nothing, full state dicts) and finalize_model_grads.
+COMPAT_TESTS = {
+    "groups": ("test_megatron_api.py",),
+    "buffers": ("test_buffer.py", "test_collective_paths.py", "test_grad_sync.py", "test_param_gather.py"),
+    "ddp": ("test_parity.py", "test_wrapper.py", "test_distributed_optimizer.py", "test_dcp.py"),
+    "fsdp": (
+        "test_parity.py",
+        "test_hsdp.py",
+        "test_fully_shard.py",
+        "test_dcp.py",
+        "test_dcp_empty_ranks.py",
+        "test_fsdp2_api.py",
+        "test_ragged.py",
+        "test_uneven_dtensor.py",
+    ),
+    "finalize": ("test_finalize.py",),
+}
+
+
+def make_compat_session(label: str, version: str) -> None:
+    @nox.session(name=f"compat-{label}", reuse_venv=True)
+    def compat(session: nox.Session) -> None:
+        # the machine's pip configuration may cap torch below the newest release: installs here ignore it
+        env = {"PIP_CONFIG_FILE": os.devnull}
+        pins = Path(session.create_tmp()) / "constraints.txt"
+        lines = (ROOT / "constraints.txt").read_text().splitlines()
+        pins.write_text(
+            "\n".join(f"torch=={version}" if line.startswith("torch==") else line for line in lines)
+        )
+        needed = (str(ROOT / "packages" / f"gradsync-{p}") for p in PACKAGES)
+        session.install("-c", str(pins), *needed, *TEST_TOOLS, env=env)
+        session.run(
+            "python",
+            "-c",
+            f"import torch; assert torch.__version__.startswith('{version}'), torch.__version__",
+        )
+        if label == FLOOR_TORCH:
+            check_readme_installs(session, env)
+        for name, files in COMPAT_TESTS.items():
+            tests = [str(ROOT / "packages" / f"gradsync-{name}" / "tests" / f) for f in files]
+            session.run("pytest", "-p", "no:cacheprovider", *tests, *session.posargs)
+
+    compat.__doc__ = (
+        f"Every package's compat subset (COMPAT_TESTS) on torch {version} from the registry, in a reused venv"
+        + (", and every README install line on it (the declared floor)." if label == FLOOR_TORCH else ".")
+    )
+
+
+for _label, _version in COMPAT_TORCH.items():
+    make_compat_session(_label, _version)
 
 
 @nox.session

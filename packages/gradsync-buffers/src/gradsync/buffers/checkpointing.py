@@ -58,14 +58,11 @@ def describe_chunk(value: TensorT, offsets: Sequence[int]) -> TensorT:
     return value
 
 
-def _local_numel(param: torch.Tensor) -> int:
-    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
-
-
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """One step with zero grads, learning rate and weight decay, then step counters back to 0: every
     param this rank holds gets its optimizer state, so that a checkpoint load has tensors to fill, and
-    the next real step behaves as a first one. Params with no local elements are skipped."""
+    the next real step behaves as a first one. Params with no local elements get their (empty) state too,
+    as a training step gives it them: a load then fills the same entries a save wrote."""
     saved: list[dict[str, Any]] = [
         {k: g[k] for k in ("lr", "weight_decay") if k in g} for g in optimizer.param_groups
     ]
@@ -75,7 +72,7 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 value = group[key]
                 group[key] = torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0.0
         for param in group["params"]:
-            if param.requires_grad and _local_numel(param):
+            if param.requires_grad:
                 param.grad = torch.zeros_like(param)
     optimizer.step()
     for group, values in zip(optimizer.param_groups, saved, strict=True):

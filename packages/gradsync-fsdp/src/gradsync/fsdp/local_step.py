@@ -78,3 +78,15 @@ def local_tensors_for_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
                     state[key] = _as_distributed(value, param, local)
             if state:
                 optimizer.state[param] = state
+
+
+def split_state_as_params(optimizer: torch.optim.Optimizer) -> None:
+    """Give state that torch's ops built as plain DTensors (a torch that runs a DTensor subclass's ops in
+    C++, 2.11, drops a :class:`RaggedDTensor`'s split from their outputs) its param's split, so it gathers
+    and checkpoints as the param does. Elsewhere the state already has it, and nothing changes."""
+    for param, state in optimizer.state.items():
+        if not isinstance(param, RaggedDTensor):
+            continue
+        for key, value in state.items():
+            if isinstance(value, DTensor) and not isinstance(value, RaggedDTensor):
+                state[key] = _as_distributed(value._local_tensor, param, param._local_tensor)

@@ -6,6 +6,11 @@ a param: the DTensor carries the param's global shape explicitly. Its shard plac
 ``Shard(0)``; where the rows per rank do not follow ``torch.chunk`` (and always under HFSDP, whose mesh
 dims cut inner first) it is a :class:`~gradsync.fsdp.ragged.RaggedDTensor` whose ``full_tensor()``,
 ``redistribute()`` and DCP metadata use the layout's row counts. ``no_shard`` params are ``Replicate``.
+
+On a torch whose DTensor specs carry no shard order (2.6), HFSDP's inner-first shards are plain DTensors
+labelled ``(Shard(0), Shard(0))``: DCP still reads each shard at its true offset (the chunk attached to its
+local tensor) and :mod:`gradsync.fsdp.uneven_dtensor` gathers it whole, but torch's own ``full_tensor()``
+does not.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from gradsync.buffers.shard_alignment import SHARD_ALIGNMENT_ATTR
 
 from .bucket import FlatParamBucket
 from .dcp import FIRST_ROW, describe_shard
-from .ragged import RaggedDTensor, shard_placement, torch_describes
+from .ragged import RaggedDTensor, left_to_right, shard_placement, torch_describes
+from .torch_internals import HAS_SHARD_ORDER
 
 # Attributes Megatron and gradsync-finalize read off params, carried over to the optimizer's params.
 CARRIED_ATTRIBUTES = (
@@ -80,7 +86,8 @@ def build_optimizer_params(
     for index, raw in enumerate(bucket.spec.params):
         local = bucket.local_view(source, base, index)
         true_placements, order = true_split(bucket, index, mesh, placements)
-        if not torch_describes(true_placements, order):
+        native = HAS_SHARD_ORDER or left_to_right(true_placements, order)
+        if native and not torch_describes(true_placements, order):
             dtensor: DTensor = RaggedDTensor.wrap(local, mesh, raw.shape, true_placements, order)
         else:
             dtensor = as_dtensor(local, mesh, raw.shape, placements)

@@ -39,13 +39,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrder, ShardOrderEntry, TensorMeta
 
 from gradsync.buffers.checkpointing import contiguous_stride, describe_chunk
+
+from . import torch_internals
+from .torch_internals import DTensorSpec, TensorMeta, funcol, require_shard_order, spec_shard_order
 
 __all__ = ["RaggedDTensor", "RaggedShard", "reshard", "shard_placement", "torch_describes"]
 
@@ -102,6 +103,14 @@ class RaggedShard(Shard):
     ) -> tuple[int, Any]:
         return self.local_shard_size_and_offset(curr_local_size, num_chunks, int(rank))
 
+    def _local_shard_size_on_dim(
+        self, size_on_dim: int, num_chunks: int, rank: int, return_offset: bool = False
+    ) -> tuple[int, int]:
+        """torch 2.6's name for :meth:`local_shard_size_and_offset` (its DCP and redistribute call it on
+        the placement instance)."""
+        size, offset = self.local_shard_size_and_offset(size_on_dim, num_chunks, rank)
+        return size, offset if return_offset else -1
+
     def _split_tensor(
         self, tensor: torch.Tensor, num_chunks: int, *, with_padding: bool = True, contiguous: bool = True
     ) -> tuple[list[torch.Tensor], list[int]]:
@@ -148,7 +157,7 @@ class RaggedShard(Shard):
         if pad:
             local_tensor = torch.cat([local_tensor, _zeros_along(local_tensor, self.dim, pad)], self.dim)
         gathered = _wait(
-            funcol.all_gather_single(local_tensor.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim))
+            funcol.all_gather_tensor(local_tensor.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim))
         )
         pieces = [gathered.narrow(self.dim, index * widest, size) for index, size in enumerate(self.sizes)]
         return torch.cat(pieces, self.dim)
@@ -161,7 +170,7 @@ class RaggedShard(Shard):
             return tensor
         pieces, pads = self._split_tensor(tensor, mesh.size(mesh_dim), with_padding=True, contiguous=True)
         reduced = _wait(
-            funcol.reduce_scatter_single(
+            funcol.reduce_scatter_tensor(
                 torch.cat(pieces, self.dim), reduce_op, scatter_dim=self.dim, group=(mesh, mesh_dim)
             )
         )
@@ -217,15 +226,14 @@ def reshard(
         tensor = tensor.ragged_view()
     mesh = tensor.device_mesh
     order = checked_order(mesh.ndim, mesh_dim_order)
-    kwargs: dict[str, Any] = {
-        "async_op": async_op,
-        "forward_dtype": forward_dtype,
-        "backward_dtype": backward_dtype,
-    }
+    kwargs: dict[str, Any] = {"async_op": async_op}
+    for name, dtype in (("forward_dtype", forward_dtype), ("backward_dtype", backward_dtype)):
+        if dtype is not None:  # torch 2.6's redistribute takes no dtypes
+            kwargs[name] = dtype
     unchanged = tuple(placements) == tensor.placements and all(
         type(old) is type(new) for old, new in zip(tensor.placements, placements, strict=True)
     )
-    if unchanged and tensor._spec.shard_order == shard_order(placements, order) and forward_dtype is None:
+    if unchanged and _order_of(tensor._spec) == shard_order(placements, order) and forward_dtype is None:
         return tensor
     ragged_target = not torch_describes(placements, order)
     if (
@@ -258,15 +266,24 @@ def checked_order(ndim: int, mesh_dim_order: Sequence[int] | None) -> tuple[int,
 
 def torch_describes(placements: Sequence[Placement], mesh_dim_order: Sequence[int]) -> bool:
     """Whether torch's own placements say it: no ragged split, and the mesh dims cut left to right."""
-    default = DTensorSpec.compute_default_shard_order(tuple(placements))
-    return (
-        not any(isinstance(p, RaggedShard) for p in placements)
-        and shard_order(placements, mesh_dim_order) == default
+    return not any(isinstance(p, RaggedShard) for p in placements) and left_to_right(
+        placements, mesh_dim_order
     )
 
 
+def left_to_right(placements: Sequence[Placement], mesh_dim_order: Sequence[int]) -> bool:
+    """Whether ``mesh_dim_order`` cuts every sharded dim as torch's default order does (left to right)."""
+    return shard_order(placements, mesh_dim_order) == shard_order(placements, range(len(placements)))
+
+
+def _order_of(spec: DTensorSpec) -> tuple[Any, ...]:
+    """A spec's shard order (the default one where torch keeps none)."""
+    order = spec_shard_order(spec)
+    return shard_order(spec.placements, range(len(spec.placements))) if order is None else order
+
+
 def _reordered(spec: DTensorSpec) -> bool:
-    return spec.shard_order != DTensorSpec.compute_default_shard_order(spec.placements)
+    return _order_of(spec) != shard_order(spec.placements, range(len(spec.placements)))
 
 
 def _executor_misses(old: Placement, new: Placement) -> bool:
@@ -275,15 +292,20 @@ def _executor_misses(old: Placement, new: Placement) -> bool:
     return isinstance(old, RaggedShard) and old.dim == new.dim
 
 
-def shard_order(placements: Sequence[Placement], mesh_dim_order: Sequence[int]) -> ShardOrder:
+def shard_order(placements: Sequence[Placement], mesh_dim_order: Sequence[int]) -> tuple[Any, ...]:
     """torch's ``shard_order``: each sharded tensor dim with the mesh dims that cut it, in
-    ``mesh_dim_order``."""
+    ``mesh_dim_order`` (plain ``(dim, mesh_dims)`` pairs, equal to torch's entries, where it has none)."""
     cuts: dict[int, list[int]] = {}
     for mesh_dim in mesh_dim_order:
         placement = placements[mesh_dim]
         if isinstance(placement, Shard):
             cuts.setdefault(placement.dim, []).append(mesh_dim)
-    return tuple(ShardOrderEntry(tensor_dim=dim, mesh_dims=tuple(cuts[dim])) for dim in sorted(cuts))
+    entry: Any = torch_internals.ShardOrderEntry if torch_internals.HAS_SHARD_ORDER else _plain_entry
+    return tuple(entry(tensor_dim=dim, mesh_dims=tuple(cuts[dim])) for dim in sorted(cuts))
+
+
+def _plain_entry(tensor_dim: int, mesh_dims: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    return tensor_dim, mesh_dims
 
 
 def local_sizes_and_offsets(
@@ -318,6 +340,9 @@ def placed(
     in these placements (through ``redistribute``, which keeps the order); from_local's backward would
     redistribute any other grad without the order."""
     tensor = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    if left_to_right(placements, mesh_dim_order):
+        return tensor
+    require_shard_order(f"a split cut in mesh_dim_order {tuple(mesh_dim_order)} (HFSDP's inner-first shards)")
     order = shard_order(placements, mesh_dim_order)
     if order != tensor._spec.shard_order:
         spec = tensor._spec
@@ -344,9 +369,12 @@ class RaggedDTensor(DTensor):
         """``local`` (no autograd history, as gradsync's buffer views) as a shard of ``shape`` split by
         ``ragged_placements`` cut in ``mesh_dim_order`` (left to right by default): the label puts
         ``Shard(dim)`` where ``ragged_placements`` has a ragged split."""
+        order = checked_order(mesh.ndim, mesh_dim_order)
+        if not left_to_right(ragged_placements, order):
+            require_shard_order(f"RaggedDTensor cut in mesh_dim_order {order} (HFSDP's inner-first shards)")
         label = [Shard(p.dim) if isinstance(p, RaggedShard) else p for p in ragged_placements]
         spec = DTensorSpec(mesh, tuple(label), TensorMeta(shape, contiguous_stride(shape), local.dtype))
-        split = (tuple(ragged_placements), checked_order(mesh.ndim, mesh_dim_order))
+        split = (tuple(ragged_placements), order)
         return RaggedDTensor._of(local.view_as(local), spec, split, local.requires_grad)
 
     def like(self, local: torch.Tensor) -> RaggedDTensor:
@@ -364,6 +392,14 @@ class RaggedDTensor(DTensor):
         tensor = RaggedDTensor(local, spec, requires_grad=requires_grad)  # type: ignore[no-untyped-call]
         tensor._ragged_placements, tensor._mesh_dim_order = split
         return tensor
+
+    def detach(self) -> RaggedDTensor:
+        """Keeps the split (``nn.Parameter`` requires it) also on a torch that dispatches DTensor
+        subclasses' ops in C++ without calling :meth:`__torch_dispatch__` (2.11)."""
+        out: Any = super().detach()
+        if isinstance(out, RaggedDTensor):
+            return out
+        return RaggedDTensor._of(out._local_tensor, out._spec, self._split, out.requires_grad)
 
     @property
     def _split(self) -> tuple[tuple[Placement, ...], tuple[int, ...]]:

@@ -31,11 +31,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
 from gradsync.buffers.checkpointing import contiguous_stride, describe_chunk
 
 from .dcp import FIRST_ROW
+from .torch_internals import _StridedShard
 
 __all__ = [
     "gather_and_compute_chunk_metadata",

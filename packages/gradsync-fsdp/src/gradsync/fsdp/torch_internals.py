@@ -1,0 +1,71 @@
+"""Every private torch name gradsync-fsdp uses, and the probes for the torch features it depends on.
+
+Nothing else in the package imports a private torch module; each name says the oldest torch it was checked
+on (the compat sessions run 2.6, 2.11, 2.13 and 2.15). Features are detected, not read off the version
+number: a torch that has them takes the native path, one that lacks them the fallback, or a refusal naming
+what is missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol  # checked on 2.6 (all_gather_tensor)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # checked on 2.6
+from torch.distributed.tensor.placement_types import _StridedShard  # checked on 2.6
+
+try:  # a spec's shard order: checked on 2.11; 2.6 has none
+    from torch.distributed.tensor._dtensor_spec import ShardOrder, ShardOrderEntry
+
+    HAS_SHARD_ORDER = hasattr(DTensorSpec, "compute_default_shard_order")
+except ImportError:  # pragma: no cover - depends on the installed torch
+    HAS_SHARD_ORDER = False
+
+__all__ = [
+    "HAS_SHARD_ORDER",
+    "SUBCLASS_DISPATCH",
+    "DTensorSpec",
+    "ShardOrder",
+    "ShardOrderEntry",
+    "TensorMeta",
+    "_StridedShard",
+    "funcol",
+    "require_shard_order",
+    "spec_shard_order",
+]
+
+
+def _subclass_dispatch() -> bool:
+    """Whether ops on a DTensor subclass reach its own ``__torch_dispatch__``. torch 2.11 runs every DTensor
+    op, subclasses' included, in a C++ fast path, and its ``DTensor.__torch_dispatch__`` is a stub that
+    refuses to be called; 2.6 dispatches in Python, 2.13 and later let a subclass delegate to it."""
+    try:
+        DTensor.__torch_dispatch__(torch.ops.aten.alias.default, (), (torch.zeros(0),), {})  # type: ignore[no-untyped-call]
+    except NotImplementedError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+SUBCLASS_DISPATCH = _subclass_dispatch()
+"""False where an op's output on a :class:`~gradsync.fsdp.ragged.RaggedDTensor` is a plain DTensor (torch
+2.11): ``zeros_like``, arithmetic and torch's own optimizer state then lose the ragged split."""
+
+
+def spec_shard_order(spec: DTensorSpec) -> tuple[Any, ...] | None:
+    """The spec's shard order, or None on a torch whose specs have none (every mesh dim cuts left to
+    right there)."""
+    return spec.shard_order if HAS_SHARD_ORDER else None
+
+
+def require_shard_order(what: str) -> None:
+    """Refuse ``what`` (before any collective) on a torch whose DTensor specs carry no shard order."""
+    if not HAS_SHARD_ORDER:
+        raise NotImplementedError(
+            f"{what} needs a DTensor shard order (torch.distributed.tensor._dtensor_spec.ShardOrder, checked "
+            f"on torch 2.11, 2.13 and 2.15); this is torch {torch.__version__}. Mesh dims cut left to right "
+            "here: use gradsync.fsdp.uneven_dtensor (uneven_dtensor_to_full_tensor, ...) for such shards"
+        )
