@@ -50,7 +50,9 @@ def snapshot(state: dict[str, Any]) -> Snapshot:
 def state_of(optimizer: torch.optim.Optimizer, model: Any, how: str) -> dict[str, Any]:
     if how == "reference":
         return optimizer.state_dict()
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=False))
+    return get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=False)
+    )
 
 
 def round_trip(strategy: str, how: str, directory: str) -> tuple[Snapshot, Snapshot, int]:
@@ -79,7 +81,9 @@ def round_trip(strategy: str, how: str, directory: str) -> tuple[Snapshot, Snaps
 
 @pytest.mark.parametrize("how", ["reference", "torch-state-dict"])
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
-def test_optimizer_state_round_trips_on_ranks_that_own_nothing(strategy: str, how: str, tmp_path: Path) -> None:
+def test_optimizer_state_round_trips_on_ranks_that_own_nothing(
+    strategy: str, how: str, tmp_path: Path
+) -> None:
     results = run_distributed(round_trip, 4, args=(strategy, how, str(tmp_path / "ckpt")))
     assert any(empty for _, _, empty in results), "the layout must leave some rank without some param"
     for rank, (before, after, _) in enumerate(results):

@@ -1,6 +1,8 @@
 """A wrapper's life: dropping a MegatronFSDP (with its module and optimizer) frees it and its buffers, and a
 param the user keeps loses the wrapper's hooks; wrapping many models does not pile up process groups or
-their threads."""
+their threads; after ``destroy_process_group()`` and a new ``init_process_group()`` (test suites,
+notebooks, elastic restarts) a new wrap trains exactly as in a fresh process: nothing cached (gather
+lanes, meshes) outlives its world."""
 
 from __future__ import annotations
 
@@ -8,10 +10,22 @@ import gc
 import os
 import sys
 import weakref
+from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
-from fsdp_testkit import STRATEGIES, Block, TinyTransformer, local_microbatches, make_optimizer
+from fsdp_testkit import (
+    STRATEGIES,
+    Block,
+    TinyTransformer,
+    Trainer,
+    full_weights,
+    local_microbatches,
+    make_optimizer,
+    max_relative_difference,
+    reference_training,
+)
 
 from gradsync.fsdp import fully_shard, fully_shard_model
 from gradsync.groups.testing import run_distributed
@@ -58,3 +72,32 @@ def threads_after_wrapping(models: int) -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
 def test_wrapping_many_models_adds_no_groups_or_threads() -> None:
     assert all(grown <= 1 for grown in run_distributed(threads_after_wrapping, 2, args=(6,)))
+
+
+def trained_in_a_second_world(strategy: str, outer: int, rendezvous: str) -> dict[str, torch.Tensor]:
+    first = Trainer.build(strategy, outer=outer)
+    for step in range(2):
+        first.step(step, 1, "no_sync")
+    backend, rank, world = dist.get_backend(), dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()  # the wrapper above still alive, as in a test suite between cases
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    second = Trainer.build(strategy, outer=outer)
+    for step in range(3):
+        second.step(step, 1, "no_sync")
+    return full_weights(second.model)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "world", "outer"),
+    [*((s, 2, 1) for s in STRATEGIES), ("optim_grads_params", 4, 2)],
+    ids=[*STRATEGIES, "hsdp-2x2"],
+)
+def test_a_new_world_wraps_and_trains_as_a_fresh_process(
+    strategy: str, world: int, outer: int, tmp_path: Path
+) -> None:
+    results = run_distributed(
+        trained_in_a_second_world, world, args=(strategy, outer, str(tmp_path / "rdv")), reuse=False
+    )
+    want = reference_training(world, 1, 3)
+    for rank, weights in enumerate(results):
+        assert max_relative_difference(weights, want) <= 1e-6, rank

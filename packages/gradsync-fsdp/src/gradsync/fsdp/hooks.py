@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .torch_internals import pytree
 
 
 class TrainingState(Enum):
@@ -55,14 +56,14 @@ def attach_post_backward(
     """Route the grad-requiring tensors of ``(args, kwargs)`` through the post-backward trigger."""
     if not torch.is_grad_enabled():
         return args, kwargs
-    leaves, spec = tree_flatten((args, kwargs))
+    leaves, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not positions:
         return args, kwargs
     outputs = RegisterFSDPBackwardFunction.apply(post_backward, *(leaves[i] for i in positions))  # type: ignore[no-untyped-call]
     for i, out in zip(positions, outputs, strict=True):
         leaves[i] = out
-    new_args, new_kwargs = tree_unflatten(leaves, spec)
+    new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
     return new_args, new_kwargs
 
 
@@ -70,7 +71,7 @@ def on_first_output_grad(output: Any, handler: Callable[[], None]) -> None:
     """Call ``handler`` once, when backward computes the first grad of any tensor in ``output``."""
     if not torch.is_grad_enabled():
         return
-    leaves, _ = tree_flatten(output)
+    leaves, _ = pytree.tree_flatten(output)
     tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
     if tensors:
         torch.autograd.graph.register_multi_grad_hook(tensors, lambda _grads: handler(), mode="any")

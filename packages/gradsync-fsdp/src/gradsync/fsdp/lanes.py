@@ -25,13 +25,17 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from gradsync.groups import FSDPDistributedIndex
+from gradsync.groups.torch_internals import default_group
 
 LANE_DESC = "gradsync_fsdp_gather_lane"
 """``group_desc`` of the lanes gradsync builds (it also tells them apart in the hang watchdog)."""
 
-_LANES: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = weakref.WeakKeyDictionary()
-"""Shard group -> its lane: one per shard group however many models are wrapped (a destroyed group's
-entry goes with it)."""
+_LANES: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[dist.ProcessGroup, dist.ProcessGroup]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Shard group -> (the world's default group when the lane was built, the lane): one lane per shard group
+however many models are wrapped. A lane from another world (``destroy_process_group`` and a new
+``init_process_group``, as test suites, notebooks and elastic restarts do) is never handed out."""
 
 
 def gather_group(dist_index: FSDPDistributedIndex, enabled: bool) -> dist.ProcessGroup:
@@ -44,11 +48,13 @@ def gather_group(dist_index: FSDPDistributedIndex, enabled: bool) -> dist.Proces
     if given is not shard:
         _require_same_ranks(given, shard, "the index's all-gather group (FSDPDistributedIndex fsdp_group_ag)")
         return given
-    lane = _LANES.get(shard)
-    if lane is None:
-        assert dist_index.dp_shard_dim is not None  # the index refuses to exist without one
-        lane = _build_lane(dist_index.device_mesh, dist_index.dp_shard_dim, shard)
-        _LANES[shard] = lane
+    world = default_group()
+    cached = _LANES.get(shard)
+    if cached is not None and cached[0] is world:
+        return cached[1]
+    assert dist_index.dp_shard_dim is not None  # the index refuses to exist without one
+    lane = _build_lane(dist_index.device_mesh, dist_index.dp_shard_dim, shard)
+    _LANES[shard] = (world, lane)
     return lane
 
 

@@ -39,14 +39,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from gradsync.buffers.checkpointing import contiguous_stride, describe_chunk
 
 from . import torch_internals
-from .torch_internals import DTensorSpec, TensorMeta, funcol, require_shard_order, spec_shard_order
+from .torch_internals import DTensorSpec, TensorMeta, funcol, pytree, require_shard_order, spec_shard_order
 
 __all__ = ["RaggedDTensor", "RaggedShard", "reshard", "shard_placement", "torch_describes"]
 

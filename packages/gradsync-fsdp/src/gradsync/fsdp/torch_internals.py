@@ -15,6 +15,9 @@ import torch.distributed._functional_collectives as funcol  # checked on 2.6 (al
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # checked on 2.6
 from torch.distributed.tensor.placement_types import _StridedShard  # checked on 2.6
+from torch.utils import _pytree as pytree  # checked on 2.6
+
+from gradsync.groups.torch_internals import flatten_mesh
 
 try:  # a spec's shard order: checked on 2.11; 2.6 has none
     from torch.distributed.tensor._dtensor_spec import ShardOrder, ShardOrderEntry
@@ -31,7 +34,9 @@ __all__ = [
     "ShardOrderEntry",
     "TensorMeta",
     "_StridedShard",
+    "flatten_mesh",
     "funcol",
+    "pytree",
     "require_shard_order",
     "spec_shard_order",
 ]

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .backend import get_backend_capabilities
+from .torch_internals import default_group, flatten_mesh
 
 MeshKey = tuple[tuple[str, ...], bool]
 
@@ -26,15 +27,17 @@ def _world_mesh(
 ) -> tuple[DeviceMesh, dist.ProcessGroup | None]:
     """The ``(dp_outer, dp_shard, tp)`` mesh over the world, built once per default group: a new default
     group (after ``destroy_process_group``) builds anew."""
-    default = dist.distributed_c10d._get_default_group()
+    default = default_group()
     key = (device_type, dp_outer, dp_shard, tp)
     cached = _WORLD_MESHES.get(key)
     if cached is not None and cached[0] is default:
         return cached[1], cached[2]
+    for stale in [k for k, (world, _, _) in _WORLD_MESHES.items() if world is not default]:
+        del _WORLD_MESHES[stale]  # built in a world that is gone: its groups with it
     mesh = init_device_mesh(
         device_type, (dp_outer, dp_shard, tp), mesh_dim_names=("dp_outer", "dp_shard", "tp")
     )
-    hybrid_group = mesh["dp_outer", "dp_shard"]._flatten("hsdp").get_group() if dp_outer > 1 else None
+    hybrid_group = flatten_mesh(mesh["dp_outer", "dp_shard"], "hsdp").get_group() if dp_outer > 1 else None
     _WORLD_MESHES[key] = (default, mesh, hybrid_group)
     return mesh, hybrid_group
 

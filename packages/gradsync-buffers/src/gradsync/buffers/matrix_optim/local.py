@@ -25,6 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..shard_alignment import SHARD_ALIGNMENT_ATTR, ShardAlignment
+from ..torch_internals import even_chunk_shape_and_offset
 
 
 def _sharded(param: torch.Tensor) -> bool:
@@ -91,10 +92,7 @@ def local_offsets(param: torch.Tensor) -> tuple[int, ...]:
     described = getattr(local, "__create_chunk_list__", None)
     if described is not None:
         return tuple(int(o) for o in described()[0].offsets)
-    # torch's private helper, imported only here: importing gradsync.buffers must not depend on it
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    shape, offsets = even_chunk_shape_and_offset(param.shape, param.device_mesh, param.placements)
     if tuple(shape) != tuple(local.shape):
         raise ValueError(
             f"cannot tell where this rank's shard (local shape {tuple(local.shape)}) of a param of shape "

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils._pytree import tree_map_only
 
 from ..mixed_precision import MixedPrecisionPolicy as GradsyncPrecision
+from ..torch_internals import pytree
 
 
 def _cast_for_compute(
@@ -74,4 +74,4 @@ def _cast_at_boundaries(module: nn.Module, policy: MixedPrecisionPolicy) -> None
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)

@@ -12,6 +12,7 @@ from gradsync.buffers import DistributedDataParallelConfig
 from gradsync.groups import FSDPDistributedIndex
 
 from ..megatron_fsdp import MegatronFSDP
+from ..torch_internals import flatten_mesh
 from . import module as _module
 from .precision import _cast_at_boundaries, _cast_for_compute, _params_hidden
 from .state import _PENDING, STATE_ATTR, _Call, _Root, _State, _state
@@ -158,7 +159,7 @@ def _index(call: _Call, device: torch.device | None) -> FSDPDistributedIndex:
         mesh,
         dp_shard_dim=shard,
         dp_outer_dim=outer,
-        hybrid_fsdp_group=mesh._flatten().get_group(),
+        hybrid_fsdp_group=flatten_mesh(mesh).get_group(),
         hsdp_outer_dp_shard=call.outer_dp_sharding_strategy == "optim",
     )
 

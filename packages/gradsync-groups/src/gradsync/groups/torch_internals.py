@@ -1,0 +1,21 @@
+"""Every private torch name gradsync-groups uses, each with the oldest torch it was checked on (the compat
+sessions run 2.6, 2.11, 2.13 and 2.15). Nothing else in the package touches private torch."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["default_group", "flatten_mesh"]
+
+
+def default_group() -> dist.ProcessGroup:
+    """The default (world) process group object itself: caches keyed to it die with the world it was
+    made in (``distributed_c10d._get_default_group``, checked on 2.6)."""
+    return dist.distributed_c10d._get_default_group()
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str | None = None) -> DeviceMesh:
+    """``mesh``'s dims flattened into one (``DeviceMesh._flatten``, checked on 2.6; torch has no public
+    name for it yet)."""
+    return mesh._flatten(name) if name is not None else mesh._flatten()
