@@ -60,6 +60,15 @@ def options(strategy: str, overrides: dict[str, object]) -> Options:
 @lru_cache(maxsize=8)
 def reference(opts: Options) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Per-step losses and final params of the single-process run (layout fields of ``opts`` ignored)."""
+    return reordered_reference(opts, 1, torch.get_num_threads())
+
+
+def reordered_reference(
+    opts: Options, pieces: int, threads: int
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The reference with only its summation order changed: each step's global batch backpropagated in
+    ``pieces`` equal pieces (grads accumulated), on ``threads`` intra-op threads. The same math; how far it
+    lands from :func:`reference` is the rounding spread the parity tolerances are set from."""
     cfg = GPTConfig(
         seq_len=opts.seq_len, d_model=opts.d_model, n_head=opts.n_head, n_layer=opts.n_layer, moe=opts.moe
     )
@@ -71,21 +80,29 @@ def reference(opts: Options) -> tuple[list[float], dict[str, torch.Tensor]]:
     optimizer = make_optimizer(opts)(zip(names, mains, strict=True))
     corpus = Corpus.from_stdlib(opts.corpus_bytes)
     losses = []
-    for step in range(opts.steps):
-        batch = corpus.batch(step, opts.global_batch, opts.seq_len, seed=opts.seed)
-        optimizer.zero_grad()
-        model.zero_grad()
-        loss = next_token_loss(model(batch[:, :-1]), batch)
-        loss.backward()  # type: ignore[no-untyped-call]
-        for main, param in zip(mains, params, strict=True):
-            if main is not param:
-                main.grad = None if param.grad is None else param.grad.float()
-        optimizer.step()
-        with torch.no_grad():
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in range(opts.steps):
+            batch = corpus.batch(step, opts.global_batch, opts.seq_len, seed=opts.seed)
+            optimizer.zero_grad()
+            model.zero_grad()
+            loss = torch.zeros(())
+            for piece in batch.chunk(pieces):
+                piece_loss = next_token_loss(model(piece[:, :-1]), piece) * (len(piece) / len(batch))
+                piece_loss.backward()  # type: ignore[no-untyped-call]
+                loss += piece_loss.detach().float()
             for main, param in zip(mains, params, strict=True):
                 if main is not param:
-                    param.copy_(main)
-        losses.append(float(loss.detach()))
+                    main.grad = None if param.grad is None else param.grad.float()
+            optimizer.step()
+            with torch.no_grad():
+                for main, param in zip(mains, params, strict=True):
+                    if main is not param:
+                        param.copy_(main)
+            losses.append(float(loss))
+    finally:
+        torch.set_num_threads(before)
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
