@@ -11,14 +11,17 @@ created during the step included.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .ragged import RaggedDTensor
 from .step_tracking import OWNER
+from .torch_internals import SUBCLASS_DISPATCH
 
 
 def _local(value: Any) -> Any:
@@ -88,5 +91,18 @@ def split_state_as_params(optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(param, RaggedDTensor):
             continue
         for key, value in state.items():
-            if isinstance(value, DTensor) and not isinstance(value, RaggedDTensor):
-                state[key] = _as_distributed(value._local_tensor, param, param._local_tensor)
+            if (
+                type(value) is DTensor
+                and value.shape == param.shape
+                and value._local_tensor.shape == param._local_tensor.shape
+            ):
+                state[key] = param.like(value._local_tensor)
+
+
+@functools.cache
+def watch_state_splits() -> None:
+    """Where torch drops a :class:`RaggedDTensor`'s split from op outputs (2.11), give the state every
+    optimizer step creates its param's split (a global post-step hook, once per process: torch optimizers
+    stepped on gradsync's params directly, as with the fsdp2 API). Elsewhere nothing is registered."""
+    if not SUBCLASS_DISPATCH:
+        register_optimizer_step_post_hook(lambda optimizer, args, kwargs: split_state_as_params(optimizer))

@@ -52,6 +52,7 @@ from .hooks import (
 )
 from .hsdp import optimizer_placements, outer_replication
 from .lanes import gather_group
+from .local_step import watch_state_splits
 from .meta_init import ParamInitFn, materialize, replace_meta_params
 from .mixed_precision import MixedPrecisionPolicy, policy_from_config
 from .optimizer_params import attach_grads, build_optimizer_params
@@ -225,6 +226,7 @@ class MegatronFSDP(nn.Module):
             setattr(dist_p, OWNER, self)
         self._stepped = False  # an optimizer stepped the params since the last install
         watch_optimizer_steps()
+        watch_state_splits()
         self._registry = ParamRegistry(module, self.sharded_param_of)
         self._forwards_awaiting_backward = 0
         for meta_param, placeholder in (meta.params if meta is not None else {}).items():
