@@ -193,6 +193,30 @@ def test_grouping_params_has_megatrons_shape() -> None:
         group_params_for_buffers([a, frozen], grad_reduce_in_fp32=False)
 
 
+def test_a_layout_keyed_by_param_as_megatron_keys_it_and_back_by_position() -> None:
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (300, 100, 50)]
+    specs = [ParamSpec.of(p) for p in params]
+    full = compute_full_param_layout(specs, 200, padded=True, data_parallel_world_size=4)
+    (key,) = full.layouts
+    positional = full.layouts[key]
+    keyed = full.keyed_by(params).layouts[key]
+    assert positional.is_positional()
+    assert not keyed.is_positional()
+    # Megatron-Core's keying: the Parameter itself, in layout order (last param first), same ranges.
+    assert [id(k) for k in keyed.param_index_map] == [id(p) for p in reversed(params)]
+    assert [keyed.param_index_map[p] for p in params] == [positional.param_index_map[i] for i in range(3)]
+    assert keyed.bucket_indices == positional.bucket_indices
+    assert [id(k) for k in keyed.bucket_params(0)] == [id(p) for p in reversed(params)]
+    back = keyed.by_position(params)
+    assert back.param_index_map == positional.param_index_map
+    assert list(back.param_index_map) == list(positional.param_index_map)
+    assert positional.by_position(params) is positional
+    with pytest.raises(ValueError, match="1 of them not among the buffer's 3"):
+        keyed.by_position([params[0], params[1], torch.nn.Parameter(torch.zeros(50))])
+    with pytest.raises(ValueError, match="positions"):
+        positional.keyed_by(params[:2])
+
+
 def test_full_layout_pads_experts_for_the_expert_dp_size() -> None:
     specs = [ParamSpec((1000,), torch.bfloat16), ParamSpec((1000,), torch.bfloat16, is_expert_parallel=True)]
     full = compute_full_param_layout(

@@ -210,3 +210,76 @@ def test_ensure_params_ready_calls_each_callback_once_in_first_seen_order() -> N
             setattr(param, PARAM_READY_CALLBACK_ATTR, callback)
     buffers.ensure_params_ready([*params, torch.zeros(2)])  # a tensor without the attribute is skipped
     assert calls == ["second", "first"]
+
+
+def overlap_buffers_freed() -> dict[str, bool]:
+    """Megatron-Core's ``free_overlap_buffers`` (called before an async checkpoint save) finishes the
+    param gather in flight and drops every bucket's ``layerwise_gather_list`` (the per-rank receive views
+    of its layer-wise gather), so the allocator can reclaim them."""
+    config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True)
+    params = [torch.nn.Parameter(torch.ones(4, 3)), torch.nn.Parameter(torch.ones(5))]
+    buffer = Buffer(
+        config, torch.float32, torch.float32, [(p, f"p{i}") for i, p in enumerate(params)], dist.group.WORLD,
+        None, {}, 1.0, [0, 1], False,
+    )  # fmt: skip
+    group = buffers.partition_buckets([buffer])[0]
+    fresh = all(bucket.layerwise_gather_list is None for bucket in group.buckets)
+    group.start_param_sync()
+    in_flight = group.param_gather_handle is not None
+    for bucket in group.buckets:  # what Megatron's layer-wise gather leaves there while it is in flight
+        bucket.layerwise_gather_list = [bucket.grad_data[:1], bucket.grad_data[1:2]]
+    group.free_overlap_buffers()
+    return {
+        "fresh": fresh,
+        "in_flight": in_flight,
+        "handle_dropped": group.param_gather_handle is None,
+        "lists_dropped": all(bucket.layerwise_gather_list is None for bucket in group.buckets),
+    }
+
+
+def test_free_overlap_buffers_drops_the_layerwise_gather_list() -> None:
+    for result in run_distributed(overlap_buffers_freed, 2):
+        assert result == {"fresh": True, "in_flight": True, "handle_dropped": True, "lists_dropped": True}
+
+
+def megatron_keyed_layout() -> dict[str, Any]:
+    """A layout keyed by Parameter, as Megatron-Core's ``PerBufferParamLayout`` is (last param first),
+    given to the buffer: its ``param_index_map`` and the ``main_grad`` views follow it."""
+    config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    params = [torch.nn.Parameter(torch.ones(4, 3)), torch.nn.Parameter(torch.ones(5))]
+    layout = buffers.PerBufferParamLayout(
+        param_index_map={params[1]: (0, 5, 0), params[0]: (64, 76, 0)},
+        bucket_indices=[(0, 128)],
+        per_bucket_numel_unpadded=[76],
+        param_indices=[0, 1],
+        num_optimizer_shards=dist.get_world_size(),
+    )
+    buffer = Buffer(
+        config, torch.float32, torch.float32, [(p, f"p{i}") for i, p in enumerate(params)], dist.group.WORLD,
+        None, {}, 1.0, [0, 1], False, None, layout,
+    )  # fmt: skip
+    stranger = buffers.PerBufferParamLayout(
+        param_index_map={torch.nn.Parameter(torch.ones(5)): (0, 5, 0), params[0]: (64, 76, 0)},
+        bucket_indices=[(0, 128)],
+        per_bucket_numel_unpadded=[76],
+        num_optimizer_shards=dist.get_world_size(),
+    )
+    with pytest.raises(ValueError, match="1 of them not among the buffer's 2"):
+        Buffer(
+            config, torch.float32, torch.float32, [(torch.nn.Parameter(torch.ones(5)), "q"), (params[0], "w")],
+            dist.group.WORLD, None, {}, 1.0, [0, 1], False, None, stranger,
+        )  # fmt: skip
+    return {
+        "index_map": buffer.param_index_map == layout.param_index_map,
+        "views": [
+            p.main_grad.data_ptr() - buffer.grad_data.data_ptr()  # type: ignore[attr-defined]
+            for p in params
+        ],
+        "positional": buffer.layout.param_index_map == {1: (0, 5, 0), 0: (64, 76, 0)},
+        "buckets": [len(b.params_list) for b in buffer.buckets],
+    }
+
+
+def test_a_layout_keyed_by_param_as_megatrons_is_used() -> None:
+    for result in run_distributed(megatron_keyed_layout, 2):
+        assert result == {"index_map": True, "views": [64 * 4, 0], "positional": True, "buckets": [2]}

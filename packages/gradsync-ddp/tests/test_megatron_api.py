@@ -109,18 +109,28 @@ def test_state_dicts_take_megatrons_arguments() -> None:
 
 def full_param_layouts() -> None:
     config = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=1000)
-    trainable = [p for p in TinyGPT().parameters() if p.requires_grad]
+    model = TinyGPT()
+    trainable = [p for p in model.parameters() if p.requires_grad]
     world = dist.get_world_size()
     small = DistributedOptimizer.compute_full_param_layout(trainable, 300, world, config)
-    ddp = DistributedDataParallel(ModelParallelConfig(), config, TinyGPT(), full_param_layout=small)
     (key,) = small.layouts
+    index_map = small.layouts[key].param_index_map
+    # Megatron's keying: by the Parameter itself, last param first.
+    assert [id(param) for param in index_map] == [id(param) for param in reversed(trainable)]
+    ddp = DistributedDataParallel(ModelParallelConfig(), config, model, full_param_layout=small)
+    assert ddp.buffers[0].param_index_map == index_map
     assert ddp.buffers[0].bucket_indices == small.layouts[key].bucket_indices  # 300, not the config's 1000
     assert len(ddp.buffers[0].buckets) > len(
         wrap(use_distributed_optimizer=True, bucket_size=1000).buffers[0].buckets
     )
+    with pytest.raises(ValueError, match=r"Params for .* do not match between grouping and layout"):
+        # keyed by another module's params
+        DistributedDataParallel(ModelParallelConfig(), config, TinyGPT(), full_param_layout=small)
+    other = TinyGPT()
+    trainable = [p for p in other.parameters() if p.requires_grad]
     reordered = DistributedOptimizer.compute_full_param_layout(trainable[::-1], 300, world, config)
     with pytest.raises(ValueError, match=r"Params for .* do not match between grouping and layout"):
-        DistributedDataParallel(ModelParallelConfig(), config, TinyGPT(), full_param_layout=reordered)
+        DistributedDataParallel(ModelParallelConfig(), config, other, full_param_layout=reordered)
     fp32 = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
     other_keys = DistributedOptimizer.compute_full_param_layout(trainable, 300, world, fp32)
     bf16_model = TinyGPT().to(torch.bfloat16)
@@ -164,8 +174,11 @@ def dispatch_state() -> None:
     assert any(g.param_gather_handle is not None for g in ddp.bucket_groups)
     with pytest.raises(RuntimeError, match="while an asynchronous parameter all-gather is still in flight"):
         ddp.reset_param_sync_dispatch_state()
+    for bucket in (b for g in ddp.bucket_groups for b in g.buckets):  # Megatron's layer-wise gather views
+        bucket.layerwise_gather_list = [bucket.grad_data[:1]]
     ddp.free_overlap_buffers()
     assert all(g.param_gather_handle is None for g in ddp.bucket_groups)
+    assert all(b.layerwise_gather_list is None for g in ddp.bucket_groups for b in g.buckets)
     ddp.reset_param_sync_dispatch_state()
     assert not any(g.param_gather_dispatched for g in ddp.bucket_groups)
 

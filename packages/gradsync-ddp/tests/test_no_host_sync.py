@@ -26,15 +26,17 @@ CONFIGS = {
 
 
 def steps_under_sync_debug(name: str) -> None:
+    """Only the wrapper runs with syncs an error: the batches are drawn before (on the CPU, then moved
+    to the GPU: a sync of the test's own), the optimizer steps after."""
     trainer = Trainer.build(DistributedDataParallelConfig(**CONFIGS[name]), "adam")
     rank, world = dist.get_rank(), dist.get_world_size()
-    for step in range(3):  # the first step allocates and records the golden grad counts
+    batches = [local_microbatches(step, rank, world, 2) for step in range(3)]
+    for step, (first, second) in enumerate(batches):  # the first step allocates, records golden counts
         trainer.ddp.zero_grad_buffer()
         trainer.optimizer.zero_grad()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error" if step else "default")
         try:
-            first, second = local_microbatches(step, rank, world, 2)
             with trainer.ddp.no_sync():
                 trainer.ddp(first).backward()
             trainer.ddp(second).backward()

@@ -86,6 +86,8 @@ def torchtitan_loop(
         api.fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard, **gradsync_only)
     api.fully_shard(model, mesh=mesh, mp_policy=mp_policy, **gradsync_only)
     optimizer = make_optimizer(model.parameters())
+    # the optimizer's weights before any step: with a bf16 param_dtype, still the fp32 values
+    initial = whole_weights(model) if api_name == GRADSYNC and param_dtype is not None else None
     rank, world = dist.get_rank(), dist.get_world_size()
     norms = []
     for step in range(STEPS):
@@ -98,6 +100,7 @@ def torchtitan_loop(
         optimizer.step()
         optimizer.zero_grad()
     built: dict[str, Any] = {
+        "initial": initial,
         "grad norms": norms,
         "shards": {name: p.to_local().detach().cpu() for name, p in model.named_parameters()},
     }
@@ -209,6 +212,8 @@ def test_bf16_param_dtype_matches_torch_and_rounds_like_it(reshard: bool) -> Non
     for rank, (ours, built, theirs) in enumerate(run_distributed(both_apis, 2, args=args)):
         assert built["compute dtype"] == torch.bfloat16, rank
         assert {w.dtype for w in ours.values()} == {torch.float32}
+        fp32_init = TinyTransformer().state_dict()  # the main weights start from these, not their rounding
+        assert all(torch.equal(w, fp32_init[k].cpu()) for k, w in built["initial"].items()), rank
         # bit-identical to torch 2.13's run, 5.8e-5 from torch 2.15's (it rounds elsewhere): two bf16
         # computations, held to the bound they both meet against one fp32 process
         assert theirs is None or max_relative_difference(ours, theirs) <= BF16_BOUND, rank

@@ -43,7 +43,7 @@ from gradsync.fsdp import MegatronFSDP
 from gradsync.fsdp.bucket import FlatParamBucket, GradReduction
 from gradsync.fsdp.lanes import LANE_DESC
 from gradsync.groups import FSDPDistributedIndex
-from gradsync.groups.testing import run_distributed
+from gradsync.groups.testing import run_distributed, test_device
 
 GATHERS = {"all_gather", "broadcast"}  # a gather on gloo is one broadcast per shard
 GATHERING = [("optim", 1), ("optim_grads", 1), ("optim_grads_params", 1), ("optim_grads_params", 2)]
@@ -210,7 +210,8 @@ def reduction_skipped_by_a_gathering_rank() -> str:
     each group apart (counted by ranks alone, rank 1's gather would stand in for the reduction and no
     culprit would be named)."""
     rank = dist.get_rank()
-    index = FSDPDistributedIndex.from_group(dist.new_group())  # the hang must not block the harness
+    # a group of its own: the hang must not block the harness
+    index = FSDPDistributedIndex.from_group(dist.new_group(), device_type=test_device().type)
     config = DistributedDataParallelConfig(
         use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"
     )

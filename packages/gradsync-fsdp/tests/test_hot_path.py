@@ -1,21 +1,49 @@
 """The per-step hot path: fully_shard_optimizer's step runs on the shards' local tensors (same results,
 DTensors back afterwards), reductions into persistent grad buffers are never waited mid-backward, the
-NaN check reads the host once per cycle, and (on CUDA) a step has no host-device sync at all."""
+NaN check reads the host once per cycle, and (on CUDA) a step has no host-device sync at all; nor has a
+step of the fsdp2 API, whose steps read nothing on the host (CPU included)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_testkit import STRATEGIES, full_weights, local_microbatches, wrap
+from fsdp_testkit import STRATEGIES, TinyTransformer, full_weights, local_microbatches, make_optimizer, wrap
 from torch.distributed.tensor import DTensor
 
 from gradsync.buffers import collectives
 from gradsync.buffers.grad_checks import LocalGradNorms
-from gradsync.fsdp import fully_shard_optimizer
-from gradsync.groups.testing import run_distributed
+from gradsync.fsdp import fsdp2, fully_shard_optimizer
+from gradsync.groups.testing import run_distributed, test_device
+
+HOST_READS = ("__bool__", "__float__", "item", "tolist")
+"""The tensor methods that read a value on the host (on CUDA: wait for the device)."""
+
+
+@contextmanager
+def host_reads_recorded(events: list[str], names: tuple[str, ...] = HOST_READS) -> Iterator[None]:
+    """Each call of one of ``names`` on any tensor appends its name to ``events``: the host reads a CPU
+    run can see (sync-debug mode sees CUDA's syncs only)."""
+    readers = {name: getattr(torch.Tensor, name) for name in names}
+
+    def counting(name: str) -> Any:
+        def read(tensor: torch.Tensor, *args: Any) -> Any:
+            events.append(name)
+            return readers[name](tensor, *args)
+
+        return read
+
+    for name in readers:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        yield
+    finally:
+        for name, reader in readers.items():
+            setattr(torch.Tensor, name, reader)
 
 
 def adam_steps(strategy: str, dtype: torch.dtype, local: bool) -> dict[str, object]:
@@ -144,32 +172,21 @@ def host_reads_in_a_cycle(strategy: str) -> tuple[int, int]:
     first, second = local_microbatches(0, dist.get_rank(), dist.get_world_size(), 2)
     events: list[str] = []
     gather = LocalGradNorms.gather
-    readers = {name: getattr(torch.Tensor, name) for name in ("__bool__", "__float__", "item", "tolist")}
 
     def counted_gather(self: LocalGradNorms, *args: Any) -> list[list[float]]:
         events.append("gather")
         return gather(self, *args)
 
-    def counting(name: str) -> Any:
-        def read(tensor: torch.Tensor, *args: Any) -> Any:
-            events.append(name)
-            return readers[name](tensor, *args)
-
-        return read
-
     LocalGradNorms.gather = counted_gather  # type: ignore[method-assign]
-    for name in readers:
-        setattr(torch.Tensor, name, counting(name))
     try:
-        with model.no_sync():
-            model(first).backward()
-        model(second).backward()
-        during = len(events)
-        model.finish_grad_sync()
+        with host_reads_recorded(events):
+            with model.no_sync():
+                model(first).backward()
+            model(second).backward()
+            during = len(events)
+            model.finish_grad_sync()
     finally:
         LocalGradNorms.gather = gather  # type: ignore[method-assign]
-        for name, reader in readers.items():
-            setattr(torch.Tensor, name, reader)
     return during, len(events)
 
 
@@ -203,6 +220,47 @@ def step_under_sync_debug(strategy: str) -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_training_step_has_no_host_sync_on_cuda(strategy: str) -> None:
     run_distributed(step_under_sync_debug, 1, args=(strategy,))
+
+
+def fsdp2_steps_reading_the_host(reshard: bool) -> list[str]:
+    """torchtitan's loop over the fsdp2 API (``fully_shard`` on each block, then on the root, torch's own
+    optimizer on the DTensors, ``optimizer.zero_grad()``): the host reads of the steps after the first,
+    with every host-device sync an error as well on CUDA. The batches are drawn before, outside the
+    checked region (moving them to the GPU is a sync of the test's own)."""
+    model = TinyTransformer()
+    for block in model.blocks:
+        fsdp2.fully_shard(block, reshard_after_forward=reshard)
+    fsdp2.fully_shard(model)
+    optimizer = make_optimizer(model.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = [local_microbatches(step, rank, world, 1)[0] for step in range(3)]
+    on_cuda = test_device().type == "cuda"
+    reads: list[str] = []
+    for step, batch in enumerate(batches):  # the first step allocates and warms up
+        checked: list[str] = reads if step else []
+        if on_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if step else "default")
+        try:
+            with host_reads_recorded(checked, (*HOST_READS, "__int__")):
+                model(batch).backward()  # the forward after a step starts the next cycle
+                optimizer.step()
+                optimizer.zero_grad()
+        finally:
+            if on_cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    return reads
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["zero3", "zero2"])
+def test_an_fsdp2_training_step_reads_nothing_on_the_host(reshard: bool) -> None:
+    """As MegatronFSDP's steps: the new cycle's start after ``optimizer.step()`` (grads zeroed as torch's
+    ``zero_grad()`` does, set to None) is seen on the host, not read from the device. One rank on CUDA,
+    as above (on one GPU, two ranks would share it over gloo, whose CUDA collectives stage through the
+    host)."""
+    world = 1 if test_device().type == "cuda" else 2
+    for reads in run_distributed(fsdp2_steps_reading_the_host, world, args=(reshard,)):
+        assert reads == []
 
 
 def recorded_collectives(strategy: str) -> list[tuple[str, int, int]]:

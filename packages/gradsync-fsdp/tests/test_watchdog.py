@@ -16,7 +16,7 @@ from gradsync.buffers import (
 )
 from gradsync.fsdp import MegatronFSDP
 from gradsync.groups import FSDPDistributedIndex
-from gradsync.groups.testing import run_distributed
+from gradsync.groups.testing import run_distributed, test_device
 
 THRESHOLD = 2.0
 
@@ -28,7 +28,10 @@ def skipped_backward() -> str:
         use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"
     )
     model = MegatronFSDP(
-        TinyTransformer(), FSDPDistributedIndex.from_group(group), config, fsdp_unit_modules=[Block]
+        TinyTransformer(),
+        FSDPDistributedIndex.from_group(group, device_type=test_device().type),
+        config,
+        fsdp_unit_modules=[Block],
     )
     guard = start_hang_watchdog(THRESHOLD, models=[model])
     time.sleep(3 * guard.interval_s)
@@ -63,7 +66,7 @@ def healthy_steps(strategy: str) -> tuple[str, float]:
     config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy)
     model = MegatronFSDP(
         TinyTransformer(),
-        FSDPDistributedIndex.from_group(dist.new_group()),
+        FSDPDistributedIndex.from_group(dist.new_group(), device_type=test_device().type),
         config,
         fsdp_unit_modules=[Block],
     )

@@ -18,7 +18,9 @@ def ranks(group: dist.ProcessGroup | None) -> list[int]:
 def hsdp_two_by_two() -> None:
     rank = dist.get_rank()
     outer, shard = divmod(rank, 2)  # mesh (dp_outer, dp_shard, tp) = (2, 2, 1), outer-major
-    index = FSDPDistributedIndex.from_sizes(dp_shard=2, dp_outer=2, hsdp_outer_dp_shard=True)
+    index = FSDPDistributedIndex.from_sizes(
+        dp_shard=2, dp_outer=2, hsdp_outer_dp_shard=True, device_type=test_device().type
+    )
     assert index.use_hybrid_fsdp
     assert ranks(index.get_fsdp_group()) == [2 * outer, 2 * outer + 1]
     assert ranks(index.get_outer_fsdp_group()) == [shard, shard + 2]
@@ -34,7 +36,7 @@ def hsdp_two_by_two() -> None:
 
 
 def plain_fsdp_over_four() -> None:
-    index = FSDPDistributedIndex.from_sizes(dp_shard=4)
+    index = FSDPDistributedIndex.from_sizes(dp_shard=4, device_type=test_device().type)
     assert not index.use_hybrid_fsdp
     assert index.get_outer_fsdp_group() is None
     assert ranks(index.get_dp_group()) == [0, 1, 2, 3]

@@ -117,13 +117,15 @@ def _require(pgs: ProcessGroupCollection, *names: str) -> dist.ProcessGroup:
 
 
 def _check_layout_matches(
-    layout: FullParamLayout,
+    layout: FullParamLayout[int] | FullParamLayout[torch.Tensor],
     grouping: dict[BufferKey, list[int]],
-    names: Sequence[str],
+    named: Sequence[tuple[str, Parameter]],
     specs: Sequence[ParamSpec],
 ) -> None:
     """A precomputed layout must cover the same buffers and params, in the same order, as the grouping:
-    the same positions, each with room for exactly its param's elements."""
+    keyed by param (Megatron-Core's form), the very params the wrapper groups, in layout order (reverse
+    registration order); keyed by position, the same positions; each with room for exactly its param's
+    elements."""
     if set(layout.layouts) != set(grouping):
         raise ValueError(
             f"Buffer keys from param grouping {sorted(map(str, grouping))} do not match full_param_layout "
@@ -131,13 +133,20 @@ def _check_layout_matches(
             "with the same grad_reduce_in_fp32"
         )
     for key, members in grouping.items():
-        slots = layout.layouts[key].param_index_map
+        given = layout.layouts[key]
+        params = [named[i][1] for i in members]
+        if given.is_positional():
+            same_params = layout.members.get(key, members) == members
+        else:  # the same params (Megatron's check), each in its place: the layout runs last param first
+            same_params = [id(p) for p in given.param_index_map] == [id(p) for p in reversed(params)]
+        slots = given.by_position(params).param_index_map if same_params else {}
         sizes = [slots[j][1] - slots[j][0] if j in slots else -1 for j in range(len(members))]
-        if layout.members.get(key, members) != members or sizes != [specs[i].numel for i in members]:
-            expected = [names[i] for i in members]
+        if not same_params or sizes != [specs[i].numel for i in members]:
+            expected = [named[i][0] for i in members]
             raise ValueError(
                 f"Params for {key} do not match between grouping and layout: the wrapper groups {expected}; "
-                "compute the layout over the module's trainable params in named_parameters() order"
+                "compute the layout over the wrapped module's own trainable params in named_parameters() "
+                "order"
             )
         if layout.layouts[key].param_indices not in ([], list(range(len(members)))):
             raise ValueError(f"param_indices for {key} do not match between grouping and layout")
@@ -152,7 +161,7 @@ def build_grad_buffers(
     single_bucket: bool = False,
     disable_bucketing: bool = False,
     device: torch.device | None = None,
-    full_param_layout: FullParamLayout | None = None,
+    full_param_layout: FullParamLayout[int] | FullParamLayout[torch.Tensor] | None = None,
 ) -> GradBuffers:
     """Buffers and bucket groups for the trainable params of ``named_params`` (registration order).
 
@@ -190,7 +199,7 @@ def build_grad_buffers(
     expert: list[ParamAndGradBuffer] = []
     grouping = group_specs_for_buffers(specs, ddp_config.grad_reduce_in_fp32)
     if full_param_layout is not None:
-        _check_layout_matches(full_param_layout, grouping, [name for name, _ in named], specs)
+        _check_layout_matches(full_param_layout, grouping, named, specs)
     for key, members in grouping.items():
         buffer = ParamAndGradBuffer(
             ddp_config,

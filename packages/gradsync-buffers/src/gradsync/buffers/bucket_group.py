@@ -237,11 +237,15 @@ class ParamAndGradBucketGroup:
         self.free_overlap_buffers()
 
     def free_overlap_buffers(self) -> None:
-        """Finish a param all-gather still in flight and drop its handle (Megatron-Core's hook for freeing
-        the memory a layer-wise gather holds; gradsync gathers straight into the param buffer)."""
+        """Finish a param all-gather still in flight, drop its handle and every bucket's
+        ``layerwise_gather_list`` (Megatron-Core's hook for freeing the memory its layer-wise gather holds
+        before an async checkpoint save; gradsync gathers straight into the param buffer and leaves that
+        list empty, so this only releases what a caller staged there)."""
         if self.param_gather_handle is not None:
             self.param_gather_handle.wait()
             self.param_gather_handle = None
+        for bucket in self.buckets:
+            bucket.layerwise_gather_list = None
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Wait for (or, without overlap, run) the reduction of this group."""

@@ -56,6 +56,9 @@ class ParamAndGradBucket:
             p: (param_index_map[p][0] - offset, param_index_map[p][1] - offset) for p in params
         }
         self.params_with_extra_main_grads = params_with_extra_main_grads
+        self.layerwise_gather_list: list[torch.Tensor] | None = None
+        """Megatron-Core's per-rank receive views of its layer-wise optimizer's param gather. gradsync
+        gathers straight into the param buffer and never fills it; ``free_overlap_buffers`` drops it."""
         # Names only make messages readable (Megatron's bucket has none); unnamed params get their shape.
         self.param_names = {
             p: param_names[p] if param_names is not None else f"<param of shape {tuple(p.shape)}>"
@@ -76,9 +79,11 @@ class ParamAndGradBuffer:
         bucket_size: int | None,
         gradient_scaling_factor: float,
         *,
-        param_layout: PerBufferParamLayout | None = None,
+        param_layout: PerBufferParamLayout[int] | PerBufferParamLayout[torch.Tensor] | None = None,
         device: torch.device | None = None,
     ) -> None:
+        """``param_layout``: a precomputed layout, keyed by the params (Megatron-Core's form) or by their
+        position in ``params_with_names``; by default the buffer computes its own."""
         self.ddp_config = ddp_config = as_ddp_config(ddp_config)
         self.params = [p for p, _ in params_with_names]
         self.param_to_name = {p: name for p, name in params_with_names}
@@ -92,8 +97,9 @@ class ParamAndGradBuffer:
         _refuse_cuda_only_features(ddp_config, self.device, data_parallel_group)
 
         distopt = ddp_config.use_distributed_optimizer
+        layout: PerBufferParamLayout[int]
         if param_layout is None:
-            param_layout = compute_param_layout(
+            layout = compute_param_layout(
                 [p.numel() for p in self.params],
                 bucket_size,
                 padded=distopt,
@@ -102,20 +108,23 @@ class ParamAndGradBuffer:
                 shared_embedding=[bool(getattr(p, "shared_embedding", False)) for p in self.params],
                 shard_cuts=[shard_cut(shard_alignment_of(p), p.shape) for p in self.params],
             )
-        if distopt and param_layout.num_optimizer_shards != self.data_parallel_world_size:
+        else:
+            layout = param_layout.by_position(self.params)
+        if distopt and layout.num_optimizer_shards != self.data_parallel_world_size:
             raise ValueError(
-                f"Parameter layout was built for {param_layout.num_optimizer_shards} optimizer shards but "
+                f"Parameter layout was built for {layout.num_optimizer_shards} optimizer shards but "
                 f"the buffer's data-parallel group has {self.data_parallel_world_size} ranks: compute the "
                 "layout with the buffer's group size"
             )
-        self.layout = param_layout
-        self.num_optimizer_shards = param_layout.num_optimizer_shards
+        self.layout = layout
+        """The layout keyed by position in ``params`` (``param_index_map`` is the same keyed by param)."""
+        self.num_optimizer_shards = layout.num_optimizer_shards
         """The DP size the layout was padded for (None when unpadded): Megatron's DistributedOptimizer
         checks it against the buffer's group before sharding."""
-        self.param_index_map = {self.params[i]: r for i, r in param_layout.param_index_map.items()}
-        self.bucket_indices = list(param_layout.bucket_indices)
-        self.numel = param_layout.numel
-        self.numel_unpadded = sum(param_layout.per_bucket_numel_unpadded)
+        self.param_index_map = {self.params[i]: r for i, r in layout.param_index_map.items()}
+        self.bucket_indices = list(layout.bucket_indices)
+        self.numel = layout.numel
+        self.numel_unpadded = sum(layout.per_bucket_numel_unpadded)
 
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=self.device)
         self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=self.device) if distopt else None
@@ -123,23 +132,23 @@ class ParamAndGradBuffer:
         promoted = self._attach_views(ddp_config.param_name_patterns_for_fp32_local_accumulation)
         self.buckets = [
             ParamAndGradBucket(
-                params=[self.params[i] for i in param_layout.bucket_params(b)],
+                params=[self.params[i] for i in layout.bucket_params(b)],
                 param_data=self.param_data[start:end] if self.param_data is not None else None,
                 grad_data=self.grad_data[start:end],
                 offset=start,
-                numel_unpadded=param_layout.per_bucket_numel_unpadded[b],
+                numel_unpadded=layout.per_bucket_numel_unpadded[b],
                 gradient_scaling_factor=gradient_scaling_factor,
                 bucket_id=b,
                 param_index_map=self.param_index_map,
                 params_with_extra_main_grads=[
-                    self.params[i] for i in param_layout.bucket_params(b) if self.params[i] in promoted
+                    self.params[i] for i in layout.bucket_params(b) if self.params[i] in promoted
                 ],
                 param_names=self.param_to_name,
             )
             for b, (start, end) in enumerate(self.bucket_indices)
         ]
         self.param_to_bucket = {p: bucket for bucket in self.buckets for p in bucket.params_list}
-        self.param_indices = list(param_layout.param_indices) or list(range(len(self.params)))
+        self.param_indices = list(layout.param_indices) or list(range(len(self.params)))
         self.param_data_cpu: torch.Tensor | None = None
         self.grad_data_size = 0
 
@@ -226,7 +235,7 @@ class _ParamAndGradBuffer(ParamAndGradBuffer):
         param_indices: list[int],
         nccl_ub: bool,
         pg_collection: object | None = None,
-        param_layout: PerBufferParamLayout | None = None,
+        param_layout: PerBufferParamLayout[int] | PerBufferParamLayout[torch.Tensor] | None = None,
     ) -> None:
         ddp_config = as_ddp_config(ddp_config)
         if nccl_ub != ddp_config.nccl_ub:

@@ -10,8 +10,9 @@ lcm(dp, 128) (and of 2^16 with ``pad_buckets_for_high_nccl_busbw``) so it splits
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar, cast
 
 import torch
 
@@ -29,6 +30,11 @@ PARAM_START_ALIGNMENT = 64
 """Param starts are aligned to this many elements (elements, not bytes, as in the reference)."""
 BUCKET_END_ALIGNMENT = 128
 HIGH_BUSBW_ALIGNMENT = 2**16
+
+ParamKey = TypeVar("ParamKey", bound=Hashable)
+"""What a layout's ``param_index_map`` is keyed by: the param's position in its buffer (``int``, the pure
+functions' keying), or the Parameter itself (Megatron-Core's keying)."""
+TensorT = TypeVar("TensorT", bound=torch.Tensor)
 
 
 def pad_to_divisor(value: int, divisor: int) -> int:
@@ -111,30 +117,77 @@ class ShardParamRange:
 
 
 @dataclass
-class PerBufferParamLayout:
-    """The layout of one buffer. Params are named by their position in the buffer's param list.
+class PerBufferParamLayout(Generic[ParamKey]):
+    """The layout of one buffer.
 
-    ``param_index_map[i] = (start, end, bucket_id)``; ``bucket_indices[b] = (start, end)`` including
-    padding; ``num_optimizer_shards`` is the DP size the padding was computed for (None when unpadded).
+    ``param_index_map[param] = (start, end, bucket_id)``, in layout order (reverse registration order);
+    ``bucket_indices[b] = (start, end)`` including padding; ``num_optimizer_shards`` is the DP size the
+    padding was computed for (None when unpadded). A layout computed over params (Megatron-Core's
+    ``DistributedOptimizer.compute_full_param_layout``, :meth:`keyed_by`) is keyed by the Parameter, as
+    the reference's is; the pure functions over sizes and :class:`ParamSpec` key it by the param's
+    position in the buffer's param list (``PerBufferParamLayout[int]``), which is also how a buffer keeps
+    its own (:meth:`by_position`).
     """
 
-    param_index_map: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    param_index_map: dict[ParamKey, tuple[int, int, int]] = field(default_factory=dict)
     bucket_indices: list[tuple[int, int]] = field(default_factory=list)
     per_bucket_numel_unpadded: list[int] = field(default_factory=list)
     param_indices: list[int] = field(default_factory=list)
     num_optimizer_shards: int | None = None
-    _by_bucket: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
+    _by_bucket: list[list[ParamKey]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def numel(self) -> int:
         return self.bucket_indices[-1][1] if self.bucket_indices else 0
 
-    def bucket_params(self, bucket_id: int) -> list[int]:
+    def is_positional(self) -> bool:
+        """Whether ``param_index_map`` is keyed by positions rather than by the params themselves."""
+        return all(isinstance(key, int) for key in self.param_index_map)
+
+    def keyed_by(self: PerBufferParamLayout[int], params: Sequence[TensorT]) -> PerBufferParamLayout[TensorT]:
+        """This positional layout keyed by the params themselves (``params[i]`` at position ``i``), in the
+        same order: Megatron-Core's form."""
+        if set(self.param_index_map) != set(range(len(params))):
+            raise ValueError(
+                f"the layout has positions {sorted(self.param_index_map)} but {len(params)} params were given"
+            )
+        return PerBufferParamLayout(
+            param_index_map={params[i]: where for i, where in self.param_index_map.items()},
+            bucket_indices=list(self.bucket_indices),
+            per_bucket_numel_unpadded=list(self.per_bucket_numel_unpadded),
+            param_indices=list(self.param_indices),
+            num_optimizer_shards=self.num_optimizer_shards,
+        )
+
+    def by_position(self, params: Sequence[torch.Tensor]) -> PerBufferParamLayout[int]:
+        """This layout keyed by each param's position in ``params`` (the buffer's param list), in the same
+        order. A positional layout is returned as it is; one keyed by params must hold exactly
+        ``params``."""
+        if self.is_positional():
+            return cast(PerBufferParamLayout[int], self)
+        position = {id(param): i for i, param in enumerate(params)}
+        strangers = sum(id(key) not in position for key in self.param_index_map)
+        missing = len(params) - (len(self.param_index_map) - strangers)
+        if strangers or missing:
+            raise ValueError(
+                f"the layout is keyed by {len(self.param_index_map)} params, {strangers} of them not among "
+                f"the buffer's {len(params)}, and misses {missing} of the buffer's: compute it over the "
+                "params the buffer is built from"
+            )
+        return PerBufferParamLayout(
+            param_index_map={position[id(key)]: where for key, where in self.param_index_map.items()},
+            bucket_indices=list(self.bucket_indices),
+            per_bucket_numel_unpadded=list(self.per_bucket_numel_unpadded),
+            param_indices=list(self.param_indices),
+            num_optimizer_shards=self.num_optimizer_shards,
+        )
+
+    def bucket_params(self, bucket_id: int) -> list[ParamKey]:
         """Params of a bucket in layout order (reverse registration order, unless a shard-alignment
         policy re-packed the bucket: then by offset). The split into buckets is
         computed once, in O(P log P), on first use: a layout is not changed once built."""
         if self._by_bucket is None:
-            by_bucket: list[list[int]] = [[] for _ in self.bucket_indices]
+            by_bucket: list[list[ParamKey]] = [[] for _ in self.bucket_indices]
             for i in sorted(self.param_index_map, key=lambda i: self.param_index_map[i][0]):
                 by_bucket[self.param_index_map[i][2]].append(i)
             self._by_bucket = by_bucket
@@ -164,7 +217,9 @@ class PerBufferParamLayout:
             numel += sum(numels)
         return ShardBalance(numel, self.numel, tuple(owned))
 
-    def shard_param_ranges(self, bucket_id: int, rank: int, num_shards: int) -> list[ShardParamRange]:
+    def shard_param_ranges(
+        self: PerBufferParamLayout[int], bucket_id: int, rank: int, num_shards: int
+    ) -> list[ShardParamRange]:
         """The param pieces ``rank`` owns in a bucket (padding belongs to nobody)."""
         bucket_start = self.bucket_indices[bucket_id][0]
         world_start, world_end = self.shard_range(bucket_id, rank, num_shards)
@@ -198,7 +253,7 @@ def compute_param_layout(
     pad_for_high_nccl_busbw: bool = False,
     shared_embedding: Sequence[bool] | None = None,
     shard_cuts: Sequence[tuple[int, bool]] | None = None,
-) -> PerBufferParamLayout:
+) -> PerBufferParamLayout[int]:
     """Lay out params (given in registration order) in reverse order, bucketed and optionally padded.
 
     Unpadded (plain all-reduce DDP): params are packed back to back, no shared-embedding rule. Padded
@@ -213,7 +268,9 @@ def compute_param_layout(
         raise ValueError(f"{len(numels)} params but {len(shared)} shared_embedding flags")
     if bucket_size is not None and bucket_size <= 0:
         raise ValueError(f"bucket_size must be positive or None, got {bucket_size}")
-    layout = PerBufferParamLayout(num_optimizer_shards=data_parallel_world_size if padded else None)
+    layout: PerBufferParamLayout[int] = PerBufferParamLayout(
+        num_optimizer_shards=data_parallel_world_size if padded else None
+    )
     start = bucket_start = 0
     open_params: list[int] = []
     cuts = list(shard_cuts) if shard_cuts is not None else [(1, False)] * len(numels)
@@ -308,11 +365,27 @@ def group_params_for_buffers(
 
 
 @dataclass
-class FullParamLayout:
-    """One layout per buffer; ``members[key]`` maps the buffer's positions back to the input params."""
+class FullParamLayout(Generic[ParamKey]):
+    """One layout per buffer; ``members[key]`` maps the buffer's positions back to the input params.
 
-    layouts: dict[BufferKey, PerBufferParamLayout] = field(default_factory=dict)
+    :func:`compute_full_param_layout` (over :class:`ParamSpec`) keys each layout by position;
+    :meth:`keyed_by` (what ``DistributedOptimizer.compute_full_param_layout`` returns) by the Parameter,
+    as Megatron-Core does.
+    """
+
+    layouts: dict[BufferKey, PerBufferParamLayout[ParamKey]] = field(default_factory=dict)
     members: dict[BufferKey, list[int]] = field(default_factory=dict)
+
+    def keyed_by(self: FullParamLayout[int], params: Sequence[TensorT]) -> FullParamLayout[TensorT]:
+        """This layout with each buffer's ``param_index_map`` keyed by the params (``params`` being the
+        list the layout was computed over)."""
+        return FullParamLayout(
+            layouts={
+                key: layout.keyed_by([params[i] for i in self.members[key]])
+                for key, layout in self.layouts.items()
+            },
+            members={key: list(members) for key, members in self.members.items()},
+        )
 
 
 def compute_full_param_layout(
@@ -324,9 +397,10 @@ def compute_full_param_layout(
     data_parallel_world_size: int = 1,
     expert_data_parallel_world_size: int | None = None,
     pad_for_high_nccl_busbw: bool = False,
-) -> FullParamLayout:
-    """Group params into buffers and lay out each; expert buffers pad for the expert DP size."""
-    full = FullParamLayout()
+) -> FullParamLayout[int]:
+    """Group params into buffers and lay out each, keyed by position; expert buffers pad for the expert
+    DP size."""
+    full: FullParamLayout[int] = FullParamLayout()
     for key, members in group_specs_for_buffers(specs, grad_reduce_in_fp32).items():
         dp = data_parallel_world_size
         if key.is_expert_parallel and expert_data_parallel_world_size is not None:

@@ -99,7 +99,7 @@ class DistributedDataParallel(_BaseDataParallel):
         module: nn.Module,
         disable_bucketing: bool = False,
         pg_collection: ProcessGroupCollection | None = None,
-        full_param_layout: FullParamLayout | None = None,
+        full_param_layout: FullParamLayout[int] | FullParamLayout[torch.Tensor] | None = None,
         *,
         unused_parameters: Collection[str] = (),
         shard_alignment: ShardAlignmentSpec = None,
@@ -361,7 +361,8 @@ class DistributedDataParallel(_BaseDataParallel):
             group.param_gather_dispatched = False
 
     def free_overlap_buffers(self) -> None:
-        """Finish every param gather still in flight and drop its handle."""
+        """Finish every param gather still in flight and drop its handle and the buckets'
+        ``layerwise_gather_list`` (Megatron-Core's hook before an async checkpoint save)."""
         for group in self.grad_buffers.all_bucket_groups:
             group.free_overlap_buffers()
 

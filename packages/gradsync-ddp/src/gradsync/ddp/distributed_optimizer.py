@@ -146,10 +146,11 @@ class DistributedOptimizer(MegatronTrainingLoop, torch.optim.Optimizer):  # type
         data_parallel_world_size: int,
         ddp_config: DistributedDataParallelConfig,
         expert_data_parallel_world_size: int | None = None,
-    ) -> FullParamLayout:
+    ) -> FullParamLayout[torch.Tensor]:
         """The padded layout of every buffer DistributedDataParallel will build for ``params`` (its
         trainable params in ``named_parameters()`` order), for its ``full_param_layout`` argument; expert
-        buffers pad for the expert DP size."""
+        buffers pad for the expert DP size. Each buffer's ``param_index_map`` is keyed by the param, as
+        the reference's is."""
         return compute_full_param_layout(
             [ParamSpec.of(p) for p in params],
             bucket_size,
@@ -158,7 +159,7 @@ class DistributedOptimizer(MegatronTrainingLoop, torch.optim.Optimizer):  # type
             data_parallel_world_size=data_parallel_world_size,
             expert_data_parallel_world_size=expert_data_parallel_world_size,
             pad_for_high_nccl_busbw=ddp_config.pad_buckets_for_high_nccl_busbw,
-        )
+        ).keyed_by(params)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_built", False):

@@ -74,7 +74,7 @@ def _padded_layout(
     dp: int,
     pad_for_high_nccl_busbw: bool,
     cuts: Sequence[tuple[int, bool]] | None,
-) -> PerBufferParamLayout:
+) -> PerBufferParamLayout[int]:
     return compute_param_layout(
         list(numels),
         bucket_size,

@@ -61,14 +61,27 @@ class _Root:
     def start_cycle_after_step(self, module: nn.Module, args: Any) -> None:
         """A forward after an optimizer step starts a new cycle: torch users zero the DTensors' grads
         (``optimizer.zero_grad()``), gradsync must zero its grad buffers too. Grads still set (not
-        zeroed) would be summed into the next step in torch; the buffers hold one cycle, so refuse."""
+        zeroed) would be summed into the next step in torch; the buffers hold one cycle, so refuse.
+
+        Grads set to None (torch's ``zero_grad()``) are seen on the host: then nothing is read from the
+        device and the step has no host sync, as MegatronFSDP's. Only grads still set (zeroed in place
+        by ``zero_grad(set_to_none=False)``, or never zeroed) have their values checked, with one host
+        read. Whether grads are set is the same on every rank: each rank holds a grad for every trained
+        param, an empty one where it owns no rows (``attach_grads``), so every rank takes the same
+        branch and posts the same collectives."""
         if not self.fsdp._reductions.stepped:
             return
         named = [(n, local_tensor(p.grad)) for n, p in self.fsdp.named_parameters() if p.grad is not None]
-        norms = torch._foreach_norm([grad for _, grad in named]) if named else []
+        if named:
+            self._refuse_grads_carried_over(named)
+        self.fsdp.zero_grad_buffer()
+
+    def _refuse_grads_carried_over(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Raise on every rank when any rank's grads are not all zero."""
+        norms = torch._foreach_norm([grad for _, grad in named])
         # one all-reduced flag: every rank refuses alike (a rank whose shards are all empty would
         # otherwise go on into the forward's gathers), and one host read per step, not one per param
-        kept = torch.stack(list(norms)).sum() if norms else torch.zeros((), device=self.fsdp.device)
+        kept = torch.stack(list(norms)).sum()
         dist.all_reduce(kept, op=dist.ReduceOp.MAX, group=self.fsdp.dist_index.get_dp_group())
         if float(kept) > 0:
             first = next((n for (n, _), norm in zip(named, norms, strict=True) if float(norm) > 0), "?")
@@ -78,7 +91,6 @@ class _Root:
                 "one accumulation cycle, so grads cannot carry over to the next step; call "
                 "optimizer.zero_grad() after optimizer.step()"
             )
-        self.fsdp.zero_grad_buffer()
 
 
 @dataclasses.dataclass
