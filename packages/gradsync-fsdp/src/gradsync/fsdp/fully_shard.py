@@ -22,7 +22,7 @@ from gradsync.buffers.shard_alignment import ShardAlignmentSpec
 from gradsync.groups import FSDPDistributedIndex
 
 from .dcp import describe_optimizer_state
-from .local_step import local_tensors_for_step, split_state_as_params
+from .local_step import local_tensors_for_step
 from .megatron_fsdp import MegatronFSDP
 from .meta_init import ParamInitFn
 from .mixed_precision import MixedPrecisionPolicy
@@ -150,7 +150,6 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
     materialised and its state dict described for ``torch.distributed.checkpoint``. In place."""
     model = _model_of(optimizer)
     materialize_optimizer_state(optimizer)  # a step with zero grads and lr 0: not a training step
-    split_state_as_params(optimizer)
     model.zero_grad_buffer()
     optimizer.register_state_dict_post_hook(_describe_state)
     base_step, base_zero_grad = optimizer.step, optimizer.zero_grad

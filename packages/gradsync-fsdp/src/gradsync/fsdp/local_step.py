@@ -86,7 +86,8 @@ def local_tensors_for_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 def split_state_as_params(optimizer: torch.optim.Optimizer) -> None:
     """Give state that torch's ops built as plain DTensors (a torch that runs a DTensor subclass's ops in
     C++, 2.11, drops a :class:`RaggedDTensor`'s split from their outputs) its param's split, so it gathers
-    and checkpoints as the param does. Elsewhere the state already has it, and nothing changes."""
+    and checkpoints as the param does. Run after every step by :func:`watch_state_splits`' hook, the
+    materialising step of ``fully_shard_optimizer`` included."""
     for param, state in optimizer.state.items():
         if not isinstance(param, RaggedDTensor):
             continue
