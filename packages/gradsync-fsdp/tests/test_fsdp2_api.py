@@ -29,6 +29,7 @@ from fsdp_testkit import (
     make_optimizer,
     max_relative_difference,
     reference_training,
+    skip_where_torch_gathers_crash,
 )
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -655,6 +656,7 @@ def test_torchtitan_checkpoints_reshard_across_dp_sizes(
     """torch's own state-dict API and DCP on the per-module API's params and a plain torch optimizer's
     state: saved at one DP size, loaded at another, two more steps equal two more steps of the run that
     saved (SGD: AdamW's update of a grad near zero can flip with the reduction order of another DP size)."""
+    skip_where_torch_gathers_crash(max(saved, loaded))
     directory = str(tmp_path / "ckpt")
     uninterrupted = run_distributed(titan_save, saved, args=(directory, name))[0]
     for rank, weights in enumerate(run_distributed(titan_load, loaded, args=(directory, name))):

@@ -51,7 +51,9 @@ def adam_steps(strategy: str, dtype: torch.dtype, local: bool) -> dict[str, obje
     DTensors as a plain optimizer; what the step saw and left behind."""
     main_grads = torch.float32 if dtype == torch.bfloat16 else None
     model = wrap(strategy, dtype=dtype, main_grads_dtype=main_grads)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    # foreach pinned: torch picks foreach kernels only for the exact tensor types it lists (plain CUDA
+    # tensors, not a DTensor subclass), and the two kernel families round differently
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     if local:
         fully_shard_optimizer(optimizer)
     seen: list[type] = []

@@ -37,7 +37,9 @@ def meta_model(seed: int = SEED) -> TinyTransformer:
 
 
 def normally_initialised() -> dict[str, torch.Tensor]:
-    return named_weights(TinyTransformer(SEED))
+    """Built on the device the meta model is materialised on: its random generator draws the values."""
+    with torch.device(test_device()):
+        return named_weights(TinyTransformer(SEED))
 
 
 def wrap_meta(strategy: str, outer: int = 1, outer_strategy: str = "no_shard", **kwargs: Any) -> MegatronFSDP:
@@ -104,7 +106,8 @@ def mixed_after_meta_init(strategy: str) -> tuple[dict[str, torch.Tensor], dict[
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
 def test_inits_of_parents_and_buffers_run_as_in_the_constructor(strategy: str) -> None:
     torch.manual_seed(SEED)
-    reference = Mixed().to(test_device())
+    with torch.device(test_device()):  # drawn by the generator of the device the wrapper materialises on
+        reference = Mixed()
     assert not torch.equal(reference.norm.running_var, torch.zeros(8, device=test_device()))
     for weights, buffers in run_distributed(mixed_after_meta_init, 2, args=(strategy,)):
         assert weights.keys() == named_weights(reference).keys()
@@ -125,6 +128,7 @@ def train_from_meta(steps: int) -> dict[str, torch.Tensor]:
         zero_dp_strategy=3,
         init_model_with_meta_device=True,
         sync_model_each_microbatch=False,
+        device=test_device(),  # a gloo group with CUDA tensors: the group alone would say the CPU
     )
     trainer = Trainer(model, optimizer)
     for step in range(steps):
@@ -133,7 +137,7 @@ def train_from_meta(steps: int) -> dict[str, torch.Tensor]:
 
 
 def test_trains_like_one_process() -> None:
-    want = reference_training(2, 1, 6)
+    want = reference_training(2, 1, 6, init_device=str(test_device()))  # the meta init draws there
     for rank, got in enumerate(run_distributed(train_from_meta, 2, args=(6,))):
         assert max_relative_difference(got, want) <= 1e-6, rank
 
