@@ -34,6 +34,7 @@ TABLE: list[tuple[Any, list[tuple[str, Any]], dict[str, str]]] = [
         {
             "unused_parameters": "keyword-only: params that never get a grad, refused if they do",
             "shard_alignment": "keyword-only: where the distributed optimizer's shards may cut each param",
+            "init_sync": "keyword-only: replicas start from the first DP rank's params, as torch's DDP",
         },
     ),
     (DDP.state_dict, [("prefix", ""), ("keep_vars", False), ("destination", None)], {}),

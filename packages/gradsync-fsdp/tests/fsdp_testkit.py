@@ -131,6 +131,7 @@ def wrap(
     outer: int = 1,
     shard_alignment: Any = None,
     gather_lane: bool = True,
+    init_sync: bool = True,
     **config: Any,
 ) -> MegatronFSDP:
     ddp_config = DistributedDataParallelConfig(
@@ -149,6 +150,7 @@ def wrap(
         mixed_precision_policy=MixedPrecisionPolicy(torch.float32, main_grads_dtype, grad_comm_dtype),
         shard_alignment=shard_alignment,
         gather_lane=gather_lane,
+        init_sync=init_sync,
     )
 
 

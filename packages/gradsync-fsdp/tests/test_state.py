@@ -46,8 +46,8 @@ def test_state_dict_round_trips(strategy: str) -> None:
 
 
 def broadcast(strategy: str) -> dict[str, torch.Tensor]:
-    model = wrap(strategy, seed=dist.get_rank())  # every rank starts elsewhere
-    model.broadcast_params()
+    model = wrap(strategy, seed=dist.get_rank(), init_sync=False)  # every rank starts elsewhere, as the
+    model.broadcast_params()  # reference leaves them until this call
     return full_weights(model)
 
 
@@ -92,9 +92,9 @@ def replicas_broadcast() -> dict[str, dict[str, Any]]:
     shard_rank, replica = index.get_fsdp_group().rank(), outer.rank()
     results: dict[str, dict[str, Any]] = {"where": {"shard": shard_rank, "replica": replica}}
     for strategy in STRATEGIES:
-        model = wrap(strategy, seed=shard_rank + 10 * replica, outer=2)
+        model = wrap(strategy, seed=shard_rank + 10 * replica, outer=2, init_sync=False)
         model.broadcast_params()
-        oracle = wrap(strategy, seed=shard_rank, outer=2)
+        oracle = wrap(strategy, seed=shard_rank, outer=2, init_sync=False)
         results[strategy] = {"got": full_weights(model), "oracle": full_weights(oracle)}
     return results
 

@@ -37,7 +37,12 @@ from .layout import (
     pad_to_divisor,
 )
 from .matrix_optim import BlockShampoo, Muon, muon_param_groups
-from .param_consistency import check_params_match_across_ranks
+from .param_consistency import (
+    broadcast_from_first_rank,
+    check_experts_match_across_ranks,
+    check_params_match_across_ranks,
+    settings_of,
+)
 from .param_ready import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
 from .scaling import gradient_scaling_factors
 from .shard_alignment import (
@@ -88,8 +93,10 @@ __all__ = [
     "__version__",
     "active_telemetry",
     "as_ddp_config",
+    "broadcast_from_first_rank",
     "bucket_end_divisor",
     "build_grad_buffers",
+    "check_experts_match_across_ranks",
     "check_params_match_across_ranks",
     "compute_full_param_layout",
     "compute_param_layout",
@@ -114,6 +121,7 @@ __all__ = [
     "reduce_scatter_with_fp32_accumulation",
     "refuse_fields_ddp_cannot_honour",
     "resolve_shard_alignments",
+    "settings_of",
     "shard_buffer",
     "start_hang_watchdog",
     "stop_hang_watchdog",

@@ -44,18 +44,37 @@ def describe_chunk(value: TensorT, offsets: Sequence[int]) -> TensorT:
     if len(start) != value.dim():
         raise ValueError(f"describe_chunk: {len(start)} offsets for a {value.dim()}-dimensional tensor")
     chunk = ChunkStorageMetadata(offsets=start, sizes=local.size())
+    local.__create_chunk_list__ = _ChunkList(chunk)
+    local.__create_write_items__ = _WriteItems(chunk)
+    return value
 
-    def write_items(fqn: str, obj: Any) -> list[WriteItem]:
+
+class _ChunkList:
+    """DCP's chunk list of a described local tensor: a class, not a closure, so that ``torch.save`` can
+    pickle the tensor that carries it."""
+
+    def __init__(self, chunk: ChunkStorageMetadata) -> None:
+        self.chunk = chunk
+
+    def __call__(self) -> list[ChunkStorageMetadata]:
+        return [self.chunk]
+
+
+class _WriteItems:
+    """DCP's write items of a described local tensor (none when it is empty); picklable, as
+    :class:`_ChunkList`. ``value`` is the DTensor being saved."""
+
+    def __init__(self, chunk: ChunkStorageMetadata) -> None:
+        self.chunk = chunk
+
+    def __call__(self, fqn: str, value: Any) -> list[WriteItem]:
+        local = value._local_tensor if isinstance(value, DTensor) else value
         if local.numel() == 0:
             return []
-        data = TensorWriteData(
-            chunk=chunk, properties=TensorProperties.create_from_tensor(local), size=obj.size()
-        )
-        return [WriteItem(index=MetadataIndex(fqn, start), type=WriteItemType.SHARD, tensor_data=data)]
-
-    local.__create_chunk_list__ = lambda: [chunk]
-    local.__create_write_items__ = write_items
-    return value
+        properties = TensorProperties.create_from_tensor(local)
+        data = TensorWriteData(chunk=self.chunk, properties=properties, size=value.size())
+        index = MetadataIndex(fqn, self.chunk.offsets)
+        return [WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data)]
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -23,10 +23,13 @@ from gradsync.buffers import (
     DistributedDataParallelConfig,
     FullParamLayout,
     as_ddp_config,
+    broadcast_from_first_rank,
     build_grad_buffers,
+    check_experts_match_across_ranks,
     check_params_match_across_ranks,
     is_expert_parallel,
     refuse_fields_ddp_cannot_honour,
+    settings_of,
 )
 from gradsync.buffers.bucket_group import ParamAndGradBucketGroup
 from gradsync.buffers.shard_alignment import (
@@ -34,6 +37,14 @@ from gradsync.buffers.shard_alignment import (
     ShardBalance,
     set_shard_alignments,
     shard_alignment_of,
+)
+from gradsync.buffers.wrapper_claims import (
+    claim,
+    first_owned_elsewhere,
+    guard_optimizer_steps,
+    refuse_owned_elsewhere,
+    refuse_sync_without_backward,
+    refuse_unfrozen,
 )
 from gradsync.groups import ModelParallelConfigProtocol, ProcessGroupCollection
 from gradsync.groups.model_config import describe_model_parallel
@@ -90,6 +101,14 @@ class DistributedDataParallel(_BaseDataParallel):
     match how the wrapper groups those params, or construction fails naming the buffer.
     ``unused_parameters`` (gradsync extension) names params known never to receive a grad: they are left
     out of the buffers, and one that does receive a grad raises instead of being silently dropped.
+
+    Before any other collective, one collective checks that every data-parallel rank wraps the same
+    params with the same config and arguments (an error on every rank names the first difference). Then,
+    as torch's DDP does, every replica starts from the first data-parallel rank's params (``init_sync``,
+    gradsync's addition; False keeps the reference's behaviour: call :meth:`broadcast_params` yourself).
+    An optimizer step after a backward whose grads were not synchronised (no :meth:`finish_grad_sync`),
+    or after a param frozen at wrap time was unfrozen, raises; so does a second wrapper over params a live
+    gradsync wrapper holds.
     """
 
     def __init__(
@@ -103,6 +122,7 @@ class DistributedDataParallel(_BaseDataParallel):
         *,
         unused_parameters: Collection[str] = (),
         shard_alignment: ShardAlignmentSpec = None,
+        init_sync: bool = True,
     ) -> None:
         """``shard_alignment`` (gradsync's addition, read with ``use_distributed_optimizer``): where the
         optimizer's shards may cut each param, one policy or per param name
@@ -119,7 +139,28 @@ class DistributedDataParallel(_BaseDataParallel):
             raise ValueError(f"unused_parameters names params the module does not have: {sorted(unknown)}")
         dp_cp = self.pg_collection.dp_cp
         assert dp_cp is not None
-        check_params_match_across_ranks(named, dp_cp, self.pg_collection.expt_dp)
+        owned_elsewhere = first_owned_elsewhere(named, self)
+        settings = settings_of(
+            ddp_config,
+            disable_bucketing=disable_bucketing,
+            unused_parameters=sorted(unused_parameters),
+            shard_alignment=shard_alignment,
+            full_param_layout=full_param_layout is not None,
+            calculate_per_token_loss=getattr(config, "calculate_per_token_loss", False),
+            init_sync=init_sync,
+            params_owned_by_another_wrapper=owned_elsewhere,
+        )
+        check_params_match_across_ranks(named, dp_cp, settings=settings)
+        refuse_owned_elsewhere(owned_elsewhere, type(self).__name__)
+        # dense params first: an expert-group mismatch raises on that group's ranks only, and the others
+        # must not be left waiting in a broadcast over the whole data-parallel group
+        if init_sync:
+            broadcast_from_first_rank([p.data for _, p in named if not is_expert_parallel(p)], dp_cp)
+        if self.pg_collection.expt_dp is not None:
+            check_experts_match_across_ranks(named, self.pg_collection.expt_dp, who=type(self).__name__)
+            if init_sync:
+                experts = [p.data for _, p in named if is_expert_parallel(p)]
+                broadcast_from_first_rank(experts, self.pg_collection.expt_dp)
         if full_param_layout is not None and shard_alignment is not None:
             raise ValueError(
                 "DistributedDataParallel: full_param_layout was computed before shard_alignment could "
@@ -186,6 +227,11 @@ class DistributedDataParallel(_BaseDataParallel):
         self._set_param_ready_callbacks()
         if self.use_forward_hook:
             self.enable_forward_pre_hook()
+        self._frozen_at_wrap = [(n, p) for n, p in named if not p.requires_grad]
+        self._grads_pending = False  # a backward ran since the last finish_grad_sync / zero_grad_buffer
+        self._backward_this_cycle = True  # a backward ran since zero_grad_buffer (none called yet: unknown)
+        claim((p for _, p in named), self)
+        guard_optimizer_steps()
 
     # --- hooks -----------------------------------------------------------------------------------
 
@@ -221,6 +267,7 @@ class DistributedDataParallel(_BaseDataParallel):
             if grad is not None and not aliased and not fused_already:
                 main_grad.add_(grad)
             param.grad = None
+            ddp._grads_pending = ddp._backward_this_cycle = True
             if ddp.ddp_config.overlap_grad_reduce:
                 owned = cast(nn.Parameter, param)  # the hook is handed the param itself
                 ddp.param_to_bucket_group[owned].register_grad_ready(owned, ddp.force_all_reduce)
@@ -309,7 +356,9 @@ class DistributedDataParallel(_BaseDataParallel):
         grad, so any torch.optim optimizer can step: a view of ``main_grad`` when dtypes match, else a copy
         in the param dtype that :meth:`scale_gradients` (and finalize_model_grads' reductions) keep equal
         to ``main_grad``."""
+        refuse_sync_without_backward(self._backward_this_cycle, type(self).__name__)
         self.grad_buffers.finish_grad_sync(force_all_reduce)
+        self._grads_pending = False
         if self.ddp_config.use_distributed_optimizer and not force_all_reduce:
             return  # only this rank's shard is reduced; the DistributedOptimizer reads main_grad
         for param in self.params_with_grad:
@@ -333,6 +382,18 @@ class DistributedDataParallel(_BaseDataParallel):
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
             param.grad = None
         self.grad_buffers.reset()
+        self._grads_pending = self._backward_this_cycle = False
+
+    def refuse_unsynced_step(self) -> None:
+        """Raise before an optimizer step that would apply wrong grads (run by a global step pre-hook,
+        and by the DistributedOptimizer before it reads the grads)."""
+        if self._grads_pending:
+            raise RuntimeError(
+                f"{type(self).__name__}: optimizer step after a backward whose grads were not synchronised; "
+                "call model.finish_grad_sync() (finalize_model_grads does) between the last backward and "
+                "the step: stepping now would apply this rank's unreduced grads, or none"
+            )
+        refuse_unfrozen(self._frozen_at_wrap, type(self).__name__)
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
         """Gather params after a distributed-optimizer step (async with overlap_param_gather)."""
@@ -385,11 +446,15 @@ class DistributedDataParallel(_BaseDataParallel):
             _synchronize(self.grad_buffers.all_buffers[0].device)
 
     def broadcast_params(self) -> None:
-        """Copy rank 0's params (frozen ones too) to every data-parallel replica."""
-        for param in self.module.parameters():
-            group = self.pg_collection.expt_dp if is_expert_parallel(param) else self.pg_collection.dp_cp
-            assert group is not None
-            dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
+        """Copy the first data-parallel rank's params (frozen ones too) to every replica; expert params
+        from the first rank of their expert-data-parallel group."""
+        params = list(self.module.parameters())
+        for experts, group in ((False, self.pg_collection.dp_cp), (True, self.pg_collection.expt_dp)):
+            chosen = [p.data for p in params if is_expert_parallel(p) == experts]
+            if chosen:
+                if group is None:
+                    raise ValueError("broadcast_params: expert params need pg_collection.expt_dp")
+                broadcast_from_first_rank(chosen, group)
 
 
 def _synchronize(device: torch.device | None) -> None:

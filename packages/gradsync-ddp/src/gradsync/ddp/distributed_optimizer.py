@@ -245,6 +245,8 @@ class DistributedOptimizer(MegatronTrainingLoop, torch.optim.Optimizer):  # type
         """Read this step's reduced grads once (clipping and stepping share them)."""
         if self._grads_loaded:
             return
+        for chunk in self.model_chunks:
+            chunk.refuse_unsynced_step()
         for shard in self.shards:
             shard.load_grads()
         self._grads_loaded = True

@@ -19,6 +19,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from gradsync.buffers.wrapper_claims import OWNER_ATTR
+
 from .ragged import RaggedDTensor
 from .step_tracking import OWNER
 from .torch_internals import SUBCLASS_DISPATCH
@@ -34,9 +36,10 @@ def _local_param(param: torch.Tensor) -> torch.Tensor:
         return param
     local: torch.Tensor = param._local_tensor
     local.grad = _local(param.grad)
-    owner = getattr(param, OWNER, None)
-    if owner is not None:
-        setattr(local, OWNER, owner)  # the post-step hook finds the model through it
+    for mark in (OWNER, OWNER_ATTR):  # the step hooks find the model through them
+        owner = getattr(param, mark, None)
+        if owner is not None:
+            setattr(local, mark, owner)
     return local
 
 

@@ -28,12 +28,23 @@ from torch.utils.hooks import RemovableHandle
 from gradsync.buffers import (
     DistributedDataParallelConfig,
     as_ddp_config,
+    broadcast_from_first_rank,
     check_params_match_across_ranks,
     gradient_scaling_factors,
+    is_expert_parallel,
+    settings_of,
     telemetry,
 )
 from gradsync.buffers.grad_checks import LocalGradNorms, non_finite_ranks
 from gradsync.buffers.shard_alignment import ShardAlignmentSpec, ShardBalance, set_shard_alignments
+from gradsync.buffers.wrapper_claims import (
+    claim,
+    first_owned_elsewhere,
+    guard_optimizer_steps,
+    refuse_owned_elsewhere,
+    refuse_sync_without_backward,
+    refuse_unfrozen,
+)
 from gradsync.groups import FSDPDistributedIndex
 
 from .allocator_choice import choose_allocators
@@ -61,6 +72,7 @@ from .schedule import GatherSchedule, ReduceSchedule
 from .step_tracking import OWNER, watch_optimizer_steps
 from .strategy import parse_strategy
 from .support import refuse_contradicting_keywords, refuse_unsupported
+from .torch_internals import detach_for_saving
 from .units import UnitEntry, find_units, group_into_buckets, resolve_unit_classes
 
 
@@ -110,6 +122,7 @@ class MegatronFSDP(nn.Module):
         param_init_fn: ParamInitFn | None = None,
         shard_alignment: ShardAlignmentSpec = None,
         gather_lane: bool = True,
+        init_sync: bool = True,
     ) -> None:
         """Arguments in the reference's order (spec fsdp.md §1.2). ``mixed_precision_policy`` None: the
         one ``ddp_config`` describes. ``init_model_with_meta_device``: ``module`` was built on the meta
@@ -123,7 +136,15 @@ class MegatronFSDP(nn.Module):
         param name (:mod:`gradsync.buffers.shard_alignment`): ``row`` (default), ``tensor`` (whole on one
         rank, as Muon needs) or ``block:k`` / ``block:RxC``. ``gather_lane`` (gradsync's addition): param
         all-gathers run on a group of their own over the shard group's ranks, so they never queue behind
-        grad reductions (:mod:`gradsync.fsdp.lanes`); False keeps them on the shard group."""
+        grad reductions (:mod:`gradsync.fsdp.lanes`); False keeps them on the shard group.
+
+        Before any other collective (the gather lane's group included), one collective checks that every
+        data-parallel rank wraps the same params with the same config, strategy, units, mixed precision
+        and arguments; a difference raises on every rank, naming it. ``init_sync`` (gradsync's addition,
+        as torch's DDP): every replica starts from the first data-parallel rank's weights, broadcast
+        before sharding (not for a meta-device model, which each rank initialises from the seed it is
+        given, nor for expert params); False keeps the reference's behaviour (call
+        :meth:`broadcast_params` yourself)."""
         super().__init__()
         if enable_fine_grained_param_gather_hook or enable_fine_grained_param_gather_backward_hook:
             raise NotImplementedError(
@@ -169,9 +190,31 @@ class MegatronFSDP(nn.Module):
         group = dist_index.get_fsdp_group()
         named = list(module.named_parameters())
         set_shard_alignments(named, shard_alignment)
-        check_params_match_across_ranks(named, dist_index.get_dp_group(), who="MegatronFSDP")
-        self.gather_group = gather_group(dist_index, gather_lane and self.sharding.shard_main)
         self.fsdp_unit_modules = resolve_unit_classes(fsdp_unit_modules)
+        owned_elsewhere = first_owned_elsewhere(named, self)
+        settings = settings_of(
+            ddp_config,
+            mixed_precision_policy=self.mp_policy,
+            fsdp_unit_modules=self.fsdp_unit_modules,
+            disable_bucketing=disable_bucketing,
+            device_type=self.device.type,
+            calculate_per_token_loss=calculate_per_token_loss,
+            init_model_with_meta_device=init_model_with_meta_device,
+            sync_model_each_microbatch=sync_model_each_microbatch,
+            report_nan_in_param_grad=report_nan_in_param_grad,
+            shard_alignment=shard_alignment,
+            gather_lane=gather_lane,
+            init_sync=init_sync,
+            params_owned_by_another_wrapper=owned_elsewhere,
+        )
+        check_params_match_across_ranks(
+            named, dist_index.get_dp_group(), who="MegatronFSDP", settings=settings
+        )
+        refuse_owned_elsewhere(owned_elsewhere, "MegatronFSDP")
+        if init_sync and meta is None:
+            dense = [p.data for p in module.parameters() if not is_expert_parallel(p)]
+            broadcast_from_first_rank(dense, dist_index.get_dp_group())
+        self.gather_group = gather_group(dist_index, gather_lane and self.sharding.shard_main)
         self.units = find_units(module, self.fsdp_unit_modules)
         bucket_size = None if disable_bucketing else ddp_config.bucket_size
         specs = group_into_buckets(module, self.units, bucket_size)
@@ -224,6 +267,14 @@ class MegatronFSDP(nn.Module):
         }
         for dist_p in self.sharded_param_of.values():
             setattr(dist_p, OWNER, self)
+        claim([*(p for _, p in named), *self.sharded_param_of.values()], self)
+        frozen = [(n, p) for n, p in named if not p.requires_grad]  # the module shows either param
+        self._frozen_at_wrap = frozen + [
+            (n, self.sharded_param_of[p]) for n, p in frozen if p in self.sharded_param_of
+        ]
+        self._grads_pending = False  # a backward ran since the last finish_grad_sync / zero_grad_buffer
+        self._backward_this_cycle = True  # a backward ran since zero_grad_buffer (none called yet: unknown)
+        guard_optimizer_steps()
         self._stepped = False  # an optimizer stepped the params since the last install
         watch_optimizer_steps()
         watch_state_splits()
@@ -308,7 +359,7 @@ class MegatronFSDP(nn.Module):
         for key, param in param_keys(self.module, kwargs.get("prefix", "") + "module.").items():
             bucket, index = self._locate(param)
             dist_p = self.sharded_param_of[bucket.spec.params[index]]
-            value = dist_p if keep_vars else dist_p.detach()
+            value = dist_p if keep_vars else detach_for_saving(dist_p)
             first_row = getattr(dist_p, FIRST_ROW, None)
             destination[key] = value if first_row is None else describe_shard(value, first_row)
         return destination
@@ -475,6 +526,7 @@ class MegatronFSDP(nn.Module):
             return
         self._in_backward = True
         self._grads_finished = False
+        self._grads_pending = self._backward_this_cycle = True
         set_state(self.module, TrainingState.PRE_BACKWARD)
         if self.sharding.shard_params:  # an earlier microbatch's backward may have released them
             for bucket in self._non_unit_buckets:
@@ -608,11 +660,13 @@ class MegatronFSDP(nn.Module):
         reductions on the attached grads)."""
         if self._grads_finished:
             return
+        refuse_sync_without_backward(self._backward_this_cycle, "MegatronFSDP")
         self.synchronize_gradient_reduce()
         self._refuse_non_finite_grads()
         self.attach_grad_to_optimizer_state()
         self.microbatch_count = 0
         self._grads_finished = True
+        self._grads_pending = False
         if not self._forwards_awaiting_backward:  # a later backward may still recompute (auto-sync)
             self._replace_param_with_distributed_if_needed()
 
@@ -662,9 +716,20 @@ class MegatronFSDP(nn.Module):
             for param in params:
                 param.grad = None
         self._grads_finished = False
+        self._grads_pending = self._backward_this_cycle = False
         for bucket in self.buckets:
             bucket.stats.reset()
         telemetry.next_step()
+
+    def refuse_unsynced_step(self) -> None:
+        """Raise before an optimizer step that would apply wrong grads (run by a global step pre-hook)."""
+        if self._grads_pending:
+            raise RuntimeError(
+                "MegatronFSDP: optimizer step after a backward whose grads were not synchronised; call "
+                "model.finish_grad_sync() (finalize_model_grads does) between the last backward and the "
+                "step: the optimizer's params hold no reduced grads of this backward"
+            )
+        refuse_unfrozen(self._frozen_at_wrap, "MegatronFSDP")
 
     def _install_if_stepped(self) -> None:
         """Weights are read or gathered: bring an optimizer step in first (the flag is the same on every

@@ -10,18 +10,15 @@ on every rank, so one such hook marks each model whose params the optimizer hold
 from __future__ import annotations
 
 import functools
-import weakref
-from typing import Any, Protocol
+from typing import Any
 
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
+from gradsync.buffers.wrapper_claims import owners_of
+
 OWNER = "_megatron_fsdp_model"
 """The attribute of an optimizer param that names its MegatronFSDP (the reference's name)."""
-
-
-class Steppable(Protocol):
-    def mark_stepped(self) -> None: ...
 
 
 @functools.cache
@@ -31,31 +28,7 @@ def watch_optimizer_steps() -> RemovableHandle:
 
 
 def _mark_stepped_models(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-    for ref in _models_of(optimizer):
+    for ref in owners_of(optimizer, OWNER):
         model = ref()
         if model is not None:
             model.mark_stepped()
-
-
-_MODELS: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], list[weakref.ref[Steppable]]]] = (
-    weakref.WeakKeyDictionary()
-)
-"""Per optimizer: its params' identities when last looked at, and (weakly) the models they belong to."""
-
-
-def _models_of(optimizer: Optimizer) -> list[weakref.ref[Steppable]]:
-    """The models whose params ``optimizer`` holds, walked again only when its params change (this runs
-    after every step: comparing identities costs a tuple, reading attributes a lookup per param)."""
-    identities = tuple(id(param) for group in optimizer.param_groups for param in group["params"])
-    cached = _MODELS.get(optimizer)
-    if cached is not None and cached[0] == identities:
-        return cached[1]
-    models: dict[int, Steppable] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            model = getattr(param, OWNER, None)
-            if model is not None:
-                models.setdefault(id(model), model)
-    refs = [weakref.ref(model) for model in models.values()]
-    _MODELS[optimizer] = (identities, refs)
-    return refs

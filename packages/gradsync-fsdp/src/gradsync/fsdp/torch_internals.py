@@ -34,6 +34,7 @@ __all__ = [
     "ShardOrderEntry",
     "TensorMeta",
     "_StridedShard",
+    "detach_for_saving",
     "flatten_mesh",
     "funcol",
     "pytree",
@@ -74,3 +75,29 @@ def require_shard_order(what: str) -> None:
             f"on torch 2.11, 2.13 and 2.15); this is torch {torch.__version__}. Mesh dims cut left to right "
             "here: use gradsync.fsdp.uneven_dtensor (uneven_dtensor_to_full_tensor, ...) for such shards"
         )
+
+
+def detach_for_saving(dtensor: torch.Tensor) -> torch.Tensor:
+    """``dtensor.detach()`` with a wrapper that claims storage offset 0, so that ``torch.save`` pickles it
+    as the DTensor it is. torch tells a wrapper subclass from a real tensor by its data pointer, and the
+    DTensor constructor of torch 2.11 and later gives the wrapper its local tensor's storage offset: a
+    DTensor over a view that starts inside its storage (every param view into gradsync's flat buffers)
+    then fails to pickle ("invalid python storage"). The local tensor, spec and a subclass's attributes
+    are the same objects (checked on torch 2.6, 2.11, 2.13 and 2.15)."""
+    detached: Any = dtensor.detach()
+    local = detached._local_tensor
+    if local.storage_offset() == 0:
+        return detached  # type: ignore[no-any-return]
+    wrapper: Any = torch.Tensor._make_wrapper_subclass(
+        type(detached),
+        detached.shape,
+        strides=detached.stride(),
+        storage_offset=0,
+        dtype=detached.dtype,
+        device=detached.device,
+        layout=detached.layout,
+        requires_grad=False,
+    )
+    wrapper._spec, wrapper._local_tensor = detached._spec, local
+    wrapper.__dict__.update(detached.__dict__)
+    return wrapper  # type: ignore[no-any-return]

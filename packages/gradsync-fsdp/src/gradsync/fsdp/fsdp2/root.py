@@ -3,16 +3,19 @@ to ``FSDP<Class>``); the call on the module holding marked ones builds one Megat
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from gradsync.buffers import DistributedDataParallelConfig
 from gradsync.groups import FSDPDistributedIndex
 
 from ..megatron_fsdp import MegatronFSDP
-from ..torch_internals import flatten_mesh
+from ..torch_internals import detach_for_saving, flatten_mesh
 from . import module as _module
 from .precision import _cast_at_boundaries, _cast_for_compute, _params_hidden
 from .state import _PENDING, STATE_ATTR, _Call, _Root, _State, _state
@@ -84,6 +87,15 @@ def _build_root(module: nn.Module, call: _Call, units: list[_module.FSDPModule])
         _PENDING.discard(member)
         _cast_at_boundaries(member, _state(member).call.mp_policy)
     module.register_forward_pre_hook(root.start_cycle_after_step, prepend=True)  # before MegatronFSDP's
+    module.register_state_dict_post_hook(_picklable_dtensors)  # type: ignore[no-untyped-call]
+
+
+def _picklable_dtensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
+    """The state dict's DTensors as ``torch.save`` can pickle them (:func:`detach_for_saving`); params
+    (``keep_vars=True``) stay as they are."""
+    for key, value in state_dict.items():
+        if isinstance(value, DTensor) and not isinstance(value, nn.Parameter):
+            state_dict[key] = detach_for_saving(value)
 
 
 def _megatron_fsdp(

@@ -1,0 +1,177 @@
+"""Ranks that disagree and user mistakes (world 2): every one raises by name on every rank, or works.
+
+A config field or argument set on one rank only, replicas that start from different weights, an optimizer
+step without ``finish_grad_sync()``, a param frozen at wrap time and unfrozen later, a second wrapper over
+params a live wrapper holds. Each rank catches what it raised and returns the message, so a test sees
+every rank's outcome (a rank that hung would fail the call by its timeout)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_testkit import (
+    TinyGPT,
+    Trainer,
+    flat_params,
+    local_microbatches,
+    make_optimizer,
+    max_relative_difference,
+    reference_training,
+)
+
+from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.ddp import DistributedDataParallel, DistributedOptimizer
+from gradsync.groups import ModelParallelConfig
+from gradsync.groups.testing import run_distributed
+
+PLAIN = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=4000)
+DISTOPT = dataclasses.replace(PLAIN, use_distributed_optimizer=True, overlap_param_gather=True)
+
+
+def outcome(action: Callable[[], Any]) -> str:
+    """``ok`` or the exception's type and message (so every rank's outcome comes back)."""
+    try:
+        action()
+    except (ValueError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "ok"
+
+
+def build_with_rank_one_differing(field: str, value: Any) -> str:
+    config = dataclasses.replace(PLAIN, **({field: value} if dist.get_rank() == 1 else {}))
+    return outcome(lambda: DistributedDataParallel(ModelParallelConfig(), config, TinyGPT()))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("check_for_nan_in_grad", True),  # hung in finish_grad_sync
+        ("average_in_collective", True),  # replicas trained apart
+        ("bucket_size", 1000),  # gloo aborted on a size mismatch
+        ("use_distributed_optimizer", True),
+    ],
+)
+def test_a_config_field_set_on_one_rank_raises_on_every_rank(field: str, value: Any) -> None:
+    for message in run_distributed(build_with_rank_one_differing, 2, args=(field, value)):
+        assert message.startswith("ValueError: DistributedDataParallel: data-parallel ranks 0 and 1"), message
+        assert f"{field}=" in message
+
+
+def unused_on_rank_one() -> str:
+    unused = ("position",) if dist.get_rank() == 1 else ()
+    return outcome(
+        lambda: DistributedDataParallel(ModelParallelConfig(), PLAIN, TinyGPT(), unused_parameters=unused)
+    )
+
+
+def test_an_argument_given_on_one_rank_raises_on_every_rank() -> None:
+    for message in run_distributed(unused_on_rank_one, 2):
+        assert "unused_parameters=" in message, message
+
+
+def trained_from_own_seeds(config: DistributedDataParallelConfig, init_sync: bool) -> torch.Tensor:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = TinyGPT(seed=rank)  # every rank seeds itself: the replicas start apart
+    ddp = DistributedDataParallel(ModelParallelConfig(), config, model, init_sync=init_sync)
+    optimizer: Any = make_optimizer("sgd", ddp.parameters())
+    if config.use_distributed_optimizer:
+        optimizer = DistributedOptimizer(optimizer, ddp)
+    trainer = Trainer(model, ddp, optimizer)
+    for step in range(3):
+        trainer.step(step, rank, world, 1)
+    return trainer.full_params()
+
+
+@pytest.mark.parametrize("config", [PLAIN, DISTOPT], ids=["ddp", "distopt"])
+def test_replicas_start_from_the_first_rank(config: DistributedDataParallelConfig) -> None:
+    want = reference_training("sgd", 2, 1, 3)  # seed 0: rank 0's weights
+    for rank, got in enumerate(run_distributed(trained_from_own_seeds, 2, args=(config, True))):
+        assert max_relative_difference(got, want) <= 1e-5, rank
+
+
+def test_without_init_sync_replicas_keep_their_own_weights() -> None:
+    """The reference's behaviour, kept by ``init_sync=False``: the caller broadcasts (or not)."""
+    first, second = run_distributed(trained_from_own_seeds, 2, args=(PLAIN, False))
+    assert max_relative_difference(first, second) > 1e-2
+
+
+def step_without_finish(config: DistributedDataParallelConfig) -> str:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = Trainer.build(config, "sgd")
+    trainer.ddp.zero_grad_buffer()
+    trainer.ddp(local_microbatches(0, rank, world, 1)[0]).backward()
+    before = flat_params(trainer.model)
+    message = outcome(trainer.optimizer.step)
+    assert torch.equal(flat_params(trainer.model), before)  # refused before anything moved
+    trainer.ddp.finish_grad_sync()  # the fix the message names: then the same step runs
+    assert outcome(trainer.optimizer.step) == "ok"
+    return message
+
+
+@pytest.mark.parametrize("config", [PLAIN, DISTOPT], ids=["ddp", "distopt"])
+def test_a_step_without_finish_grad_sync_raises_on_every_rank(config: DistributedDataParallelConfig) -> None:
+    for message in run_distributed(step_without_finish, 2, args=(config,)):
+        assert message.startswith("RuntimeError: DistributedDataParallel: optimizer step after a backward")
+        assert "finish_grad_sync()" in message
+
+
+def unfrozen_after_wrapping(config: DistributedDataParallelConfig) -> str:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = TinyGPT()
+    model.position.requires_grad_(False)
+    ddp = DistributedDataParallel(ModelParallelConfig(), config, model)
+    optimizer: Any = make_optimizer("sgd", model.parameters())  # position among them: trained later
+    if config.use_distributed_optimizer:
+        optimizer = DistributedOptimizer(optimizer, ddp)
+    model.position.requires_grad_(True)
+    ddp.zero_grad_buffer()
+    ddp(local_microbatches(0, rank, world, 1)[0]).backward()
+    ddp.finish_grad_sync()
+    return outcome(optimizer.step)
+
+
+@pytest.mark.parametrize("config", [PLAIN, DISTOPT], ids=["ddp", "distopt"])
+def test_a_param_unfrozen_after_wrapping_raises_by_name(config: DistributedDataParallelConfig) -> None:
+    for message in run_distributed(unfrozen_after_wrapping, 2, args=(config,)):
+        assert "param position had requires_grad=False when the wrapper was built" in message, message
+
+
+def wrapped_twice() -> tuple[str, str]:
+    model = TinyGPT()
+    first = DistributedDataParallel(ModelParallelConfig(), PLAIN, model)
+    refused = outcome(lambda: DistributedDataParallel(ModelParallelConfig(), PLAIN, model))
+    del first
+    gc.collect()
+    return refused, outcome(lambda: DistributedDataParallel(ModelParallelConfig(), PLAIN, model))
+
+
+def test_a_second_wrapper_over_live_wrapped_params_raises() -> None:
+    for refused, after_drop in run_distributed(wrapped_twice, 2):
+        assert "param position is held by a live DistributedDataParallel" in refused, refused
+        assert after_drop == "ok"  # dropping the first frees the params
+
+
+def rank_one_skips_its_backward(config: DistributedDataParallelConfig) -> str:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = Trainer.build(config, "sgd")
+    trainer.ddp.zero_grad_buffer()
+    if rank == 0:  # it would wait in the reduction for rank 1's grads: stop before syncing
+        trainer.ddp(local_microbatches(0, rank, world, 1)[0]).backward()
+        return "ran its backward"
+    return outcome(trainer.ddp.finish_grad_sync)  # a collective here would hang the call: it times out
+
+
+@pytest.mark.parametrize("config", [PLAIN, DISTOPT], ids=["ddp", "distopt"])
+def test_a_rank_that_skipped_its_backward_is_refused_before_any_collective(
+    config: DistributedDataParallelConfig,
+) -> None:
+    plain = dataclasses.replace(config, overlap_grad_reduce=False, overlap_param_gather=False)
+    ran, refused = run_distributed(rank_one_skips_its_backward, 2, args=(plain,), timeout=60)
+    assert ran == "ran its backward"
+    assert "finish_grad_sync() on rank 1 with no backward since zero_grad_buffer()" in refused, refused

@@ -1,0 +1,257 @@
+"""Ranks that disagree and user mistakes under MegatronFSDP (world 2): each raises by name on every rank,
+or works. A strategy, config field or unit list set on one rank only; replicas that start from different
+weights; an optimizer step without ``finish_grad_sync()``; a rank that skipped its backward; a param
+frozen at wrap time and unfrozen later; a second wrapper over params a live wrapper holds; plain
+``torch.save`` of the model's and the optimizer's state dicts. Each rank returns what it raised, so a test
+sees every rank's outcome (a rank left waiting in a collective would fail the call by its timeout)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from fsdp_testkit import (
+    STRATEGIES,
+    Block,
+    TinyTransformer,
+    Trainer,
+    full_weights,
+    local_microbatches,
+    make_optimizer,
+    max_relative_difference,
+    reference_training,
+    shard_index,
+    wrap,
+)
+
+from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.fsdp import MegatronFSDP, fully_shard, fully_shard_model
+from gradsync.fsdp import fsdp2 as torch_style
+from gradsync.groups.testing import run_distributed
+
+
+def outcome(action: Callable[[], Any]) -> str:
+    try:
+        action()
+    except (ValueError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "ok"
+
+
+def on_rank_one(value: Any, otherwise: Any) -> Any:
+    return value if dist.get_rank() == 1 else otherwise
+
+
+def built_with_rank_one_differing(setting: str) -> str:
+    strategy = on_rank_one("no_shard", "optim_grads_params") if setting == "strategy" else "optim"
+    config: dict[str, Any] = {}
+    if setting in ("check_for_nan_in_grad", "average_in_collective"):
+        config[setting] = on_rank_one(True, False)
+    if setting == "bucket_size":
+        config[setting] = on_rank_one(1000, None)
+    units = on_rank_one(False, True) if setting == "fsdp_unit_modules" else True
+    return outcome(lambda: wrap(strategy, units=units, **config))
+
+
+@pytest.mark.parametrize(
+    ("setting", "field"),
+    [
+        ("strategy", "data_parallel_sharding_strategy"),  # hung in the gather lane's new_group
+        ("check_for_nan_in_grad", "check_for_nan_in_grad"),  # hung in finish_grad_sync
+        ("average_in_collective", "average_in_collective"),  # ZeRO-3 replicas agreed, wrongly
+        ("bucket_size", "bucket_size"),  # gloo aborted on a size mismatch
+        ("fsdp_unit_modules", "fsdp_unit_modules"),
+    ],
+)
+def test_a_setting_on_one_rank_raises_on_every_rank_before_any_other_collective(
+    setting: str, field: str
+) -> None:
+    for message in run_distributed(built_with_rank_one_differing, 2, args=(setting,), timeout=60):
+        assert message.startswith("ValueError: MegatronFSDP: data-parallel ranks 0 and 1 were built"), message
+        assert f"{field}=" in message
+
+
+def trained_from_own_seeds(strategy: str, init_sync: bool) -> dict[str, torch.Tensor]:
+    model = TinyTransformer(seed=dist.get_rank())  # every rank seeds itself: the replicas start apart
+    config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=strategy,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+    )
+    fsdp = MegatronFSDP(model, shard_index(), config, fsdp_unit_modules=[Block], init_sync=init_sync)
+    trainer = Trainer(fsdp, make_optimizer(fsdp.parameters()))
+    for step in range(3):
+        trainer.step(step, 1)
+    return full_weights(fsdp)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_replicas_start_from_the_first_rank(strategy: str) -> None:
+    want = reference_training(2, 1, 3)  # seed 0: rank 0's weights
+    for rank, got in enumerate(run_distributed(trained_from_own_seeds, 2, args=(strategy, True))):
+        assert max_relative_difference(got, want) <= 1e-6, rank
+
+
+def test_without_init_sync_replicas_keep_their_own_weights() -> None:
+    """The reference's behaviour, kept by ``init_sync=False`` (no_shard: nothing else re-syncs them)."""
+    first, second = run_distributed(trained_from_own_seeds, 2, args=("no_shard", False))
+    assert max_relative_difference(first, second) > 1e-2
+
+
+def step_without_finish(strategy: str) -> str:
+    trainer = Trainer.build(strategy)
+    trainer.model.zero_grad_buffer()
+    trainer.model(local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]).backward()
+    before = full_weights(trainer.model)
+    message = outcome(trainer.optimizer.step)
+    after = full_weights(trainer.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # refused before anything moved
+    trainer.model.finish_grad_sync()  # the fix the message names: then the same step runs
+    assert outcome(trainer.optimizer.step) == "ok"
+    return message
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_step_without_finish_grad_sync_raises_on_every_rank(strategy: str) -> None:
+    for message in run_distributed(step_without_finish, 2, args=(strategy,)):
+        assert message.startswith("RuntimeError: MegatronFSDP: optimizer step after a backward"), message
+
+
+def rank_one_skips_its_backward(strategy: str) -> str:
+    trainer = Trainer.build(strategy, overlap_grad_reduce=False, overlap_param_gather=False)
+    trainer.model.zero_grad_buffer()
+    if dist.get_rank() == 0:  # it would wait for rank 1's grads: stop before syncing
+        trainer.model(local_microbatches(0, 0, 2, 1)[0]).backward()
+        return "ran its backward"
+    return outcome(trainer.model.finish_grad_sync)  # a collective here would hang the call
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+def test_a_rank_that_skipped_its_backward_is_refused_before_any_collective(strategy: str) -> None:
+    ran, refused = run_distributed(rank_one_skips_its_backward, 2, args=(strategy,), timeout=60)
+    assert ran == "ran its backward"
+    assert "finish_grad_sync() on rank 1 with no backward since zero_grad_buffer()" in refused, refused
+
+
+def unfrozen_after_wrapping(strategy: str) -> str:
+    module = TinyTransformer()
+    module.norm.weight.requires_grad_(False)
+    model, optimizer = fully_shard(
+        module, make_optimizer(module.parameters()), fsdp_unit_modules=[Block], zero_dp_strategy=strategy
+    )
+    module.norm.weight.requires_grad_(True)
+    model.zero_grad_buffer()
+    model(local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]).backward()
+    return outcome(optimizer.step)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_param_unfrozen_after_wrapping_raises_by_name(strategy: str) -> None:
+    for message in run_distributed(unfrozen_after_wrapping, 2, args=(strategy,)):
+        assert "param norm.weight had requires_grad=False when the wrapper was built" in message, message
+
+
+def wrapped_twice() -> str:
+    module = TinyTransformer()
+    fully_shard_model(module, fsdp_unit_modules=[Block], zero_dp_strategy="optim")
+    return outcome(lambda: fully_shard_model(module, fsdp_unit_modules=[Block], zero_dp_strategy="optim"))
+
+
+def test_a_second_wrapper_over_live_wrapped_params_raises() -> None:
+    """The module's params are the first wrapper's DTensors, which hold it: it lives as long as the
+    module, so the module cannot be wrapped again (gradsync-ddp's test drops a wrapper and re-wraps)."""
+    for refused in run_distributed(wrapped_twice, 2):
+        assert "is held by a live MegatronFSDP" in refused, refused
+
+
+def saved_with_torch_save(strategy: str, directory: str) -> dict[str, torch.Tensor]:
+    """Two steps, ``torch.save`` of both state dicts, then a fresh wrapper loads them (``torch.load``)
+    and takes two more steps; what it ends with."""
+    rank = dist.get_rank()
+
+    def build() -> tuple[Any, Any]:
+        module = TinyTransformer()
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        return fully_shard(module, optimizer, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+
+    def train(model: Any, optimizer: Any, steps: range) -> None:
+        for step in steps:
+            optimizer.zero_grad()
+            model(local_microbatches(step, rank, 2, 1)[0]).backward()
+            optimizer.step()
+
+    model, optimizer = build()
+    train(model, optimizer, range(2))
+    path = Path(directory) / f"rank{rank}.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    model, optimizer = build()
+    saved = torch.load(path, weights_only=False)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    train(model, optimizer, range(2, 4))
+    return full_weights(model)
+
+
+def uninterrupted(strategy: str) -> dict[str, torch.Tensor]:
+    module = TinyTransformer()
+    model, optimizer = fully_shard(
+        module,
+        torch.optim.AdamW(module.parameters(), lr=1e-2),
+        fsdp_unit_modules=[Block],
+        zero_dp_strategy=strategy,
+    )
+    for step in range(4):
+        optimizer.zero_grad()
+        model(local_microbatches(step, dist.get_rank(), 2, 1)[0]).backward()
+        optimizer.step()
+    return full_weights(model)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_torch_save_of_both_state_dicts_resumes_exactly(strategy: str, tmp_path: Path) -> None:
+    """It failed: a closure on the shards' checkpoint description (optim, ZeRO-3) and torch's DTensor
+    pickling of views into a flat buffer (no_shard)."""
+    want = run_distributed(uninterrupted, 2, args=(strategy,))[0]
+    for rank, got in enumerate(run_distributed(saved_with_torch_save, 2, args=(strategy, str(tmp_path)))):
+        assert all(torch.equal(got[k], want[k]) for k in want), rank
+
+
+def torch_style_saved(directory: str) -> dict[str, torch.Tensor]:
+    rank = dist.get_rank()
+
+    def build() -> tuple[TinyTransformer, torch.optim.Optimizer]:
+        model = TinyTransformer()
+        for block in model.blocks:
+            torch_style.fully_shard(block)
+        torch_style.fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(model: TinyTransformer, optimizer: torch.optim.Optimizer, steps: range) -> dict[str, Any]:
+        for step in steps:
+            model(local_microbatches(step, rank, 2, 1)[0]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+
+    model, optimizer = build()
+    train(model, optimizer, range(2))
+    path = Path(directory) / f"rank{rank}.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    model, optimizer = build()
+    saved = torch.load(path, weights_only=False)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    resumed = train(model, optimizer, range(2, 4))
+    model, optimizer = build()
+    straight = train(model, optimizer, range(4))
+    return {k: torch.tensor(float(torch.equal(resumed[k], straight[k]))) for k in straight}
+
+
+def test_torch_save_under_the_fsdp2_api_resumes_exactly(tmp_path: Path) -> None:
+    for rank, equal in enumerate(run_distributed(torch_style_saved, 2, args=(str(tmp_path),))):
+        assert all(float(v) == 1.0 for v in equal.values()), (rank, equal)
