@@ -24,6 +24,7 @@ Checked in every README, CONTRIBUTING.md and docs/*.md (``DOC_GLOBS``):
       Measured: commit 26c4866, 2026-11-24, 2-core AMD EPYC CPU (no GPU), torch 2.13.0+cpu
 
   (``Computed:`` for a model's predictions): a commit of this repository, a date, the device and torch.
+  Figures quoted from another publication take a ``Source:`` line naming it instead.
 - No "issue N", "this session", "this change" or "spec ... §" in the docs, and no "spec ... §" citation in
   the packages' Python: the rule is stated where it is used.
 
@@ -129,6 +130,7 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 PROVENANCE = re.compile(r"^(?:Measured|Computed): (.+)$")
+SOURCE = re.compile(r"^Source: \S.{9,}$")  # figures quoted from another publication
 COMMIT = re.compile(r"\bcommit ([0-9a-f]{7,40})\b")
 DATE = re.compile(r"\b(20\d\d)-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])\b")
 TORCH_VERSION = re.compile(r"\btorch \d+\.\d+")
@@ -518,7 +520,7 @@ def check_provenance(ctx: Context, rel: str, lines: list[Line]) -> Iterator[Prob
         provenance = [line for line in section if PROVENANCE.match(line.text.strip())]
         for line in provenance:
             yield from _check_provenance_line(ctx, rel, line)
-        if provenance:
+        if provenance or any(SOURCE.match(line.text.strip()) for line in section):
             continue
         for line in section:
             if HEADING.match(line.text) and not line.in_code:
