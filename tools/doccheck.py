@@ -230,9 +230,7 @@ def _names_in(tree: ast.AST) -> Iterator[str]:
             yield node.id
         elif isinstance(node, ast.Attribute):
             yield node.attr
-        elif isinstance(node, ast.arg):
-            yield node.arg
-        elif isinstance(node, ast.keyword) and node.arg:
+        elif isinstance(node, ast.arg) or (isinstance(node, ast.keyword) and node.arg):
             yield node.arg
         elif isinstance(node, ast.alias):
             yield node.asname or node.name.split(".")[-1]
@@ -393,14 +391,19 @@ def check_names(ctx: Context, rel: str, lines: list[Line]) -> Iterator[Problem]:
                 elif not name.startswith(("torch.", "gradsync.")):
                     unknown = [p for p in name.split(".") if symbol_like(p) and p not in ctx.names]
                     if unknown:
-                        yield Problem(rel, line.number, f"`{span}`: no {', '.join(unknown)} in gradsync or torch")
+                        yield Problem(
+                            rel, line.number, f"`{span}`: no {', '.join(unknown)} in gradsync or torch"
+                        )
 
 
 def span_names(span: str) -> Iterator[str]:
     """The Python names a code span stands for: ``name``, ``a.b``, ``f(...)`` (and its keywords),
     ``field=value``."""
     text = span.strip()
-    if text.startswith(("-", "$", "python ", "pip ", "nox ", "torchrun ", "/", "~")) or " " in text.split("(")[0]:
+    if (
+        text.startswith(("-", "$", "python ", "pip ", "nox ", "torchrun ", "/", "~"))
+        or " " in text.split("(")[0]
+    ):
         return
     if re.search(r"\.(?:py|md|json|txt|toml|png|ini|cfg|sh)$", text):  # a file name
         return
@@ -552,7 +555,9 @@ def _check_provenance_line(ctx: Context, rel: str, line: Line) -> Iterator[Probl
     if not TORCH_VERSION.search(text):
         yield Problem(rel, line.number, "provenance line without 'torch <version>'")
     if len([part for part in text.split(",") if part.strip()]) < 4:
-        yield Problem(rel, line.number, "provenance line needs commit, date, device and torch, comma-separated")
+        yield Problem(
+            rel, line.number, "provenance line needs commit, date, device and torch, comma-separated"
+        )
 
 
 def check_changelog(rel: str, text: str) -> Iterator[Problem]:
@@ -588,7 +593,9 @@ def doc_paths(root: Path) -> list[Path]:
     return found
 
 
-def check(root: Path = ROOT, paths: Iterable[Path] | None = None, ctx: Context | None = None) -> list[Problem]:
+def check(
+    root: Path = ROOT, paths: Iterable[Path] | None = None, ctx: Context | None = None
+) -> list[Problem]:
     """Every problem in the docs under ``root`` (or in ``paths`` only), in file order."""
     ctx = ctx or Context.build(root)
     problems: list[Problem] = []
@@ -613,7 +620,9 @@ def check_text(ctx: Context, rel: str, text: str) -> list[Problem]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("docs", nargs="*", type=Path, help="docs to check (default: every doc)")
     args = parser.parse_args(argv)
     problems = check(ROOT, [p.resolve() for p in args.docs] or None)
