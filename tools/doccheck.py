@@ -1,7 +1,7 @@
 # ruff: noqa: INP001 (a script, not a package)
 """Doc check: the READMEs and docs/ pages name only what exists, and every figure says where it came from.
 
-Checked in every README, CONTRIBUTING.md and docs/*.md (``DOC_GLOBS``):
+Checked in every README, CONTRIBUTING.md, benchmarks/RESULTS.md and docs/*.md (``DOC_GLOBS``):
 
 - ``gradsync.x.y`` dotted names, and the names of ``from gradsync.x import a, b`` lines in code blocks,
   resolve: the module imports and each attribute exists.
@@ -9,9 +9,9 @@ Checked in every README, CONTRIBUTING.md and docs/*.md (``DOC_GLOBS``):
 - Any other backticked Python name that looks like a symbol, a field or an argument (it has an underscore
   or inner capitals: ``finish_grad_sync``, ``RaggedDTensor``, ``nccl_ub=True``) is defined somewhere in the
   project's Python (a def, class, attribute, argument or identifier-shaped string of the packages, their
-  tests, integration/, benchmarks/, tools/mutations.py or the noxfile) or in torch's public modules, or is listed in
-  ``tools/doccheck_names.txt``, the names of other projects (Megatron-Core, DeepSpeed, ...) the docs
-  mention.
+  tests, integration/, benchmarks/, tools/mutations.py or the noxfile) or in torch's public modules, or
+  is listed in ``tools/doccheck_names.txt``, the names of other projects (Megatron-Core, DeepSpeed, ...)
+  the docs mention.
 - ``nox -s NAME`` names a session of noxfile.py, as does every backticked name in the first column of a
   table whose first header is ``session``.
 - ``--flags`` after a documented command (``integration/train.py``, ``nox -s train --``,
@@ -49,7 +49,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC_GLOBS = ("README.md", "CONTRIBUTING.md", "integration/README.md", "packages/*/README.md", "docs/*.md")
+DOC_GLOBS = (
+    "README.md",
+    "CONTRIBUTING.md",
+    "integration/README.md",
+    "benchmarks/RESULTS.md",
+    "packages/*/README.md",
+    "docs/*.md",
+)
 CHANGELOG_GLOB = "packages/*/CHANGELOG.md"
 PY_GLOBS = (
     "packages/*/src/**/*.py",
