@@ -42,7 +42,8 @@ def policy_from_config(
     """The policy ``config`` describes, or ``given`` after checking the config does not contradict it.
     Without a given policy, the ``megatron_fsdp_*_dtype`` fields make one; Megatron-Core's older fields map
     onto it: ``grad_reduce_in_fp32`` means fp32 main grads (and so fp32 reductions),
-    ``preserve_fp32_weights=False`` no separate main weights; a field that contradicts the policy is refused."""
+    ``preserve_fp32_weights=False`` no separate main weights. A field that contradicts a given policy is
+    refused."""
     if given is None:
         main_grads = config.megatron_fsdp_main_grads_dtype
         if config.grad_reduce_in_fp32:
