@@ -146,13 +146,18 @@ def layers(session: nox.Session) -> None:
 def build(session: nox.Session) -> None:
     """Every wheel builds; then every `pip install packages/...` command in every README runs verbatim
     (from the repository root, torch already present) and must install exactly the layer it ends with and
-    the layers that layer declares below it, nothing above, so a README that drifts fails here."""
+    the layers that layer declares below it, nothing above, so a README that drifts fails here. Last, the
+    doc check (tools/doccheck.py, and its test that plants wrong names): every name, session, flag and link
+    in the READMEs and docs/ exists, and every figure carries its provenance."""
     session.install(*CONSTRAINTS, "build", "torch")
     dist_dir = Path(session.create_tmp()) / "wheels"
     shutil.rmtree(dist_dir, ignore_errors=True)
     for name in PACKAGES:
         session.run("python", "-m", "build", "--wheel", "--outdir", str(dist_dir), pkg_dir(name))
     check_readme_installs(session)
+    install_local(session, *PACKAGES, extra=("pytest", "nox"))
+    doc_test = str(ROOT / "tools" / "test_doccheck.py")
+    session.run("pytest", "-p", "no:cacheprovider", doc_test, *session.posargs)
 
 
 def check_readme_installs(session: nox.Session, env: dict[str, str] | None = None) -> None:

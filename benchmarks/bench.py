@@ -9,6 +9,7 @@ system's. Writes benchmarks/RESULTS.md (one table, with the commit and versions)
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import json
 import os
@@ -152,6 +153,8 @@ def write_results(
         "",
         f"Written by `nox -s bench` (benchmarks/bench.py) at commit {commit()}. Machine: {machine()}.",
         "",
+        f"Measured: commit {commit()}, {datetime.date.today().isoformat()}, {machine()}",
+        "",
         f"Model: the integration toy GPT, {floor['params'] / 1e6:.2f}M params (d_model {args.d_model}, "
         f"{args.n_layer} layers, seq {args.seq_len}), fp32, AdamW. {world} gloo ranks with one thread each, "
         f"8 sequences per rank per step; buckets of {args.bucket_mb} MiB wherever a system has them.",
@@ -181,7 +184,7 @@ def write_results(
             f"{wire / ring if ring else 0:.2f}x | {row['peak_rss_bytes'] / 2**20:.0f} | "
             f"{row['peak_rss_bytes'] / floor['peak_rss_bytes']:.2f}x |"
         )
-    lines += ["", "Targets (issue 20), step times as ratios in the same interleaved runs:", ""]
+    lines += ["", "Targets, step times as ratios in the same interleaved runs:", ""]
     for system, peer, bound in TARGETS:
         if system in times and peer in times:
             ratio = times[system]["ratio"] / times[peer]["ratio"]

@@ -1,4 +1,4 @@
-"""Allocators of the temporary whole-bucket buffers (spec fsdp.md §4): the policies on their own, then
+"""Allocators of the temporary whole-bucket buffers: the policies on their own, then
 through training, where each one's allocation count and peak bytes are predicted from the model's bucket
 sizes and the hook schedule, and every allocator must give bit-identical weights."""
 

@@ -1,4 +1,4 @@
-"""Hybrid sharding on 4 gloo ranks, 2 outer replicas x 2 shard ranks (spec fsdp.md §2.6).
+"""Hybrid sharding on 4 gloo ranks, 2 outer replicas x 2 shard ranks.
 
 Outer ``no_shard`` (HSDP, every inner strategy) and outer ``optim`` (HFSDP, inner ZeRO-3) train like one
 process on the global batch (fp32: max relative difference <= 1e-6; bf16 within the recipe's bound),

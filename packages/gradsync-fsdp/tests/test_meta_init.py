@@ -1,4 +1,4 @@
-"""init_model_with_meta_device (spec fsdp.md §6): a model built on the meta device is materialised module by
+"""init_model_with_meta_device: a model built on the meta device is materialised module by
 module into the shards. Seeded like the normal construction, every strategy (and HFSDP) holds exactly the
 normally initialised weights, and trains like one process; under ZeRO-3 no more than one module's params
 exist whole at any time (measured from the params' storage sizes at every init call)."""

@@ -1,4 +1,4 @@
-"""ProcessGroupCollection mechanics (spec §1.1, §1.2): keyword-only, unknown names rejected, unset fields
+"""ProcessGroupCollection mechanics: keyword-only, unknown names rejected, unset fields
 read None, repr with sizes."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The spec's worked layouts (§2.5), group by group, against rank lists written out by hand."""
+"""Worked layouts (TP, PP, CP, EP and several optimizer instances over 8 to 16 ranks), group by group,
+against rank lists written out by hand."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ FSDP_ONLY_FIELDS = (
     "megatron_fsdp_enable_fine_grained_param_gather",
     "megatron_fsdp_max_pool_double_buffer",
 )
-"""Fields only Megatron-FSDP reads (spec: ddp-and-buffers §2)."""
+"""Fields only Megatron-FSDP reads; the DDP path refuses them when set away from their defaults."""
 
 NOT_IMPLEMENTED_FOR_DDP = {
     "nccl_ub": "NCCL user-buffer allocation of the DDP grad/param buffers is not implemented",

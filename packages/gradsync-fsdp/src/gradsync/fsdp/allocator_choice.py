@@ -1,4 +1,4 @@
-"""Which allocators a model's buckets use, from the constructor's flags (spec fsdp.md §4.3).
+"""Which allocators a model's buckets use, from the constructor's flags.
 
 Without double buffering: storage-resize for ZeRO-3's gathered weights, temporary for ZeRO-2/3's
 unreduced grads. With ``fsdp_double_buffer`` (or ``nccl_ub``, which implies it) each kind ZeRO-2/3

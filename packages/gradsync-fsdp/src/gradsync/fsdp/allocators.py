@@ -1,4 +1,4 @@
-"""Where a bucket's temporary communication buffers come from (spec fsdp.md §4).
+"""Where a bucket's temporary communication buffers come from.
 
 A bucket asks its allocator for a whole-bucket buffer when it needs one (ZeRO-3's gathered weights,
 ZeRO-2/3's unreduced grads) and gives it back when done. The policies:

@@ -118,7 +118,7 @@ class FlatParamBucket:
         self.outer = outer
         self.layout: BucketLayout = bucket_layout(spec, sharding, group, outer)
         pieces = outer.pieces if outer is not None else 1
-        # This rank's shard of the layout: inner rank i, outer piece o -> i*M + o (spec §2.6).
+        # This rank's shard of the layout: inner rank i, outer piece o -> i*M + o (the inner dim cuts first).
         self.rank = group.rank() * pieces + (outer.piece if outer is not None else 0)
         self.shard_lo, self.shard_hi = 0, self.layout.size  # the inner shard: gathers and grads
         cuts, first = self.layout.cuts, group.rank() * pieces

@@ -1,4 +1,4 @@
-"""Hybrid sharding (spec fsdp.md §2.6): the DP-outer stage that runs after the shard group's collectives.
+"""Hybrid sharding: the DP-outer stage that runs after the shard group's collectives.
 
 The model is sharded over the shard (inner) group of N ranks and replicated over the outer group of M
 ranks. With outer ``no_shard`` (HSDP) the outer group only all-reduces the grads this rank's optimizer

@@ -1,6 +1,6 @@
-"""MegatronFSDP: sharded data parallelism over flat, zero-copy param/grad buffers (spec fsdp.md §1-§3).
+"""MegatronFSDP: sharded data parallelism over flat, zero-copy param/grad buffers.
 
-Deliberate differences from Megatron-FSDP v1 (see the package README): the caller's config is never
+Deliberate differences from Megatron-FSDP v1 (all in docs/megatron-migration.md): the caller's config is never
 mutated; gradients are never silently left unreduced (``is_last_microbatch`` defaults to True and
 ``finish_grad_sync`` reduces whatever a cycle left pending) nor double counted (accumulating without
 ``no_sync()`` reduces again and sums); ``parameters()`` always yields the optimizer's DTensor params;
@@ -124,7 +124,7 @@ class MegatronFSDP(nn.Module):
         gather_lane: bool = True,
         init_sync: bool = True,
     ) -> None:
-        """Arguments in the reference's order (spec fsdp.md §1.2). ``mixed_precision_policy`` None: the
+        """Arguments in Megatron-FSDP's order, with its defaults. ``mixed_precision_policy`` None: the
         one ``ddp_config`` describes. ``init_model_with_meta_device``: ``module`` was built on the meta
         device; it is materialised module by module into the shards (:mod:`gradsync.fsdp.meta_init`), by
         ``param_init_fn(module)`` (gradsync's addition) or each module's ``reset_parameters()``.

@@ -1,4 +1,4 @@
-"""Materialising a model built on the meta device one module at a time, straight into its shards (spec §6).
+"""Materialising a model built on the meta device one module at a time, straight into its shards.
 
 A model too large for one device is built on ``torch.device("meta")``. Its meta params cannot be
 re-pointed into real memory (a meta tensor's data cannot be swapped), so each is first replaced, in every

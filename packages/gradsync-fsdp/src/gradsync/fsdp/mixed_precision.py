@@ -1,4 +1,5 @@
-"""MixedPrecisionPolicy: the dtypes of main weights, main grads and the grad collectives (spec §5)."""
+"""MixedPrecisionPolicy: the dtypes of main weights, main grads and the grad collectives (Megatron-FSDP's
+fields, not torch FSDP2's ``param_dtype`` / ``reduce_dtype``: those are ``gradsync.fsdp.fsdp2``'s)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ def policy_from_config(
     config: DistributedDataParallelConfig, given: MixedPrecisionPolicy | None
 ) -> MixedPrecisionPolicy:
     """The policy ``config`` describes, or ``given`` after checking the config does not contradict it.
-    Megatron-Core's older fields map onto it (spec fsdp.md §1.10): ``grad_reduce_in_fp32`` means fp32 main
-    grads (and so fp32 reductions), ``preserve_fp32_weights=False`` no separate main weights."""
+    Without a given policy, the ``megatron_fsdp_*_dtype`` fields make one; Megatron-Core's older fields map
+    onto it: ``grad_reduce_in_fp32`` means fp32 main grads (and so fp32 reductions),
+    ``preserve_fp32_weights=False`` no separate main weights. A field that contradicts a given policy is
+    refused."""
     if given is None:
         main_grads = config.megatron_fsdp_main_grads_dtype
         if config.grad_reduce_in_fp32:

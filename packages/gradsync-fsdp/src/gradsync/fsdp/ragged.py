@@ -21,7 +21,7 @@ aborts). Two pieces fix that:
 
 ``mesh_dim_order`` is the order in which mesh dims cut a sharded dim (torch's ``shard_order``). torch
 reads placements left to right: on an (outer, inner) mesh the outer dim cuts first. HFSDP's shards lie the
-other way round (inner rank ``i``'s shard is the outer pieces ``i*M ... i*M+M-1``, spec fsdp.md §2.6), so
+other way round, the inner dim first (inner rank ``i``'s shard is the outer pieces ``i*M ... i*M+M-1``), so
 their order is ``(1, 0)`` and the outer ``RaggedShard``'s sizes are those of this rank's inner shard: torch's
 redistribute planner follows a spec's shard order, and these hooks only ever see their own inner shard.
 

@@ -1,4 +1,6 @@
-"""The four sharding strategies and what each one shards (spec fsdp.md §2.1, §2.4, §3.9)."""
+"""The four sharding strategies and what each one shards: ``no_shard`` nothing, ``optim`` (ZeRO-1) the main
+weights and optimizer state, ``optim_grads`` (ZeRO-2) also the grads, ``optim_grads_params`` (ZeRO-3) also the
+compute weights."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""FSDP units and buckets: which params are gathered, released and reduced together (spec §2.2).
+"""FSDP units and buckets: which params are gathered, released and reduced together.
 
 A unit is an instance of one of ``fsdp_unit_modules`` that is not inside another unit (the outermost
 wins); all its params form one bucket group. Params outside every unit are grouped by dtype and

@@ -13,7 +13,7 @@ post-step hook of :mod:`~gradsync.fsdp.step_tracking`), and the next forward zer
 installs the updated weights. A marked module that no later call covers becomes a root on its own when
 first used (its ``parameters()``, a forward, an FSDPModule method), as ``fully_shard(model)`` alone needs.
 
-The package README maps every argument and method to gradsync's (section "FSDP2-style per-module API").
+docs/fsdp2-migration.md maps every argument and method to gradsync's, and lists what is refused.
 """
 
 from __future__ import annotations

@@ -1,0 +1,646 @@
+# ruff: noqa: INP001 (a script, not a package)
+"""Doc check: the READMEs and docs/ pages name only what exists, and every figure says where it came from.
+
+Checked in every README, CONTRIBUTING.md, benchmarks/RESULTS.md and docs/*.md (``DOC_GLOBS``):
+
+- ``gradsync.x.y`` dotted names, and the names of ``from gradsync.x import a, b`` lines in code blocks,
+  resolve: the module imports and each attribute exists.
+- ``torch.x.y`` dotted names in backticks resolve the same way.
+- Any other backticked Python name that looks like a symbol, a field or an argument (it has an underscore
+  or inner capitals: ``finish_grad_sync``, ``RaggedDTensor``, ``nccl_ub=True``) is defined somewhere in the
+  project's Python (a def, class, attribute, argument or identifier-shaped string of the packages, their
+  tests, integration/, benchmarks/, tools/mutations.py or the noxfile) or in torch's public modules, or
+  is listed in ``tools/doccheck_names.txt``, the names of other projects (Megatron-Core, DeepSpeed, ...)
+  the docs mention.
+- ``nox -s NAME`` names a session of noxfile.py, as does every backticked name in the first column of a
+  table whose first header is ``session``.
+- ``--flags`` after a documented command (``integration/train.py``, ``nox -s train --``,
+  ``python -m gradsync.buffers.plan``, the benchmark scripts, ``tools/mutations.py``) are flags its
+  ``--help`` lists; a lone backticked ``--flag`` is a flag of one of them or of a launcher.
+- Relative links point to files that exist, and ``#anchors`` to headings in them.
+- A figure (a table cell or a sentence with a measured quantity: ``12.9 ms``, ``1.167x``, ``538 MiB``,
+  ``tok/s``, ...) has a provenance line in its section (between two headings)::
+
+      Measured: commit 26c4866, 2026-11-24, 2-core AMD EPYC CPU (no GPU), torch 2.13.0+cpu
+
+  (``Computed:`` for a model's predictions): a commit of this repository, a date, the device and torch.
+  Figures quoted from another publication take a ``Source:`` line naming it instead.
+- No "issue N", "this session", "this change" or "spec ... §" in the docs, and no "spec ... §" citation in
+  the packages' Python: the rule is stated where it is used.
+
+In the CHANGELOGs: one ``## Unreleased`` section at most, first, and every other section
+``## X.Y.Z (YYYY-MM-DD)``.
+
+    python tools/doccheck.py            # every doc; exit status 1 and one line per problem if any
+    python tools/doccheck.py README.md  # some docs only
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import re
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC_GLOBS = (
+    "README.md",
+    "CONTRIBUTING.md",
+    "integration/README.md",
+    "benchmarks/RESULTS.md",
+    "packages/*/README.md",
+    "docs/*.md",
+)
+CHANGELOG_GLOB = "packages/*/CHANGELOG.md"
+PY_GLOBS = (
+    "packages/*/src/**/*.py",
+    "packages/*/tests/*.py",
+    "packages/*/benchmarks/*.py",
+    "integration/**/*.py",
+    "benchmarks/*.py",
+    "tools/mutations.py",  # not the doc check itself: its test holds the planted wrong names
+    "noxfile.py",
+)
+NAMES_FILE = "tools/doccheck_names.txt"
+
+# The torch modules whose public names (and their classes' attributes) the docs may name bare.
+TORCH_MODULES = (
+    "torch",
+    "torch.nn",
+    "torch.nn.functional",
+    "torch.nn.utils",
+    "torch.optim",
+    "torch.optim.lr_scheduler",
+    "torch.autograd",
+    "torch.cuda",
+    "torch.accelerator",
+    "torch.utils.checkpoint",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.placement_types",
+    "torch.distributed.device_mesh",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.nn.parallel",
+)
+
+# CLIs the docs document, by what names them on a line, and how to ask them for --help.
+CLIS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (r"integration/train\.py|\btrain\.py|nox -s train\b", ("integration/train.py",)),
+    (r"gradsync\.buffers\.plan\b(?![.\w])", ("-m", "gradsync.buffers.plan")),
+    (r"bench_ab\.py|nox -s bench-ab\b", ("benchmarks/bench_ab.py",)),
+    (r"bench_muon\.py|nox -s bench-muon\b", ("benchmarks/bench_muon.py",)),
+    (r"(?<![\w/])bench\.py|nox -s bench(?![\w-])", ("benchmarks/bench.py",)),
+    (r"plan_check\.py", ("benchmarks/plan_check.py",)),
+    (r"plan_scaling\.py", ("benchmarks/plan_scaling.py",)),
+    (r"plot_trace\.py", ("benchmarks/plot_trace.py",)),
+    (r"bench_ragged_dispatch\.py", ("benchmarks/bench_ragged_dispatch.py",)),
+    (r"bench_ddp\.py|nox -s bench-(?:ddp|overhead)\b", ("packages/gradsync-ddp/benchmarks/bench_ddp.py",)),
+    (
+        r"bench_collectives\.py|nox -s bench-buffers\b",
+        ("packages/gradsync-buffers/benchmarks/bench_collectives.py",),
+    ),
+    (r"mutations\.py|nox -s mutations\b", ("tools/mutations.py",)),
+)
+# Flags of the launchers in front of those commands (torchrun, nox, pip, pytest).
+LAUNCHER_FLAGS = frozenset(
+    {
+        "--nproc-per-node",
+        "--nnodes",
+        "--standalone",
+        "--rdzv-backend",
+        "--rdzv-endpoint",
+        "--rdzv-id",
+        "--session",
+        "--sessions",
+        "--list",
+        "--no-deps",
+        "--force-reinstall",
+        "--timeout",
+        "--help",
+    }
+)
+
+IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+DOTTED_GRADSYNC = re.compile(rf"(?<![\w./-])gradsync(?:\.{IDENT})+")
+FROM_IMPORT = re.compile(rf"^\s*from\s+(gradsync(?:\.{IDENT})+)\s+import\s+(.+)$")
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+NOX_SESSION = re.compile(r"\bnox\s+(?:-\S+\s+)*?(?:-s|--sessions?)\s+([\w.\-]+)")
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+PROVENANCE = re.compile(r"^(?:Measured|Computed): (.+)$")
+SOURCE = re.compile(r"^Source: \S.{9,}$")  # figures quoted from another publication
+COMMIT = re.compile(r"\bcommit ([0-9a-f]{7,40})\b")
+DATE = re.compile(r"\b(20\d\d)-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])\b")
+TORCH_VERSION = re.compile(r"\btorch \d+\.\d+")
+UNIT = r"(?:ms|us|µs|s|min|MiB|GiB|KiB|MB|GB|GB/s|tok/s|GFLOP|%)"
+FIGURE_CELL = re.compile(rf"(?<![\w.])\d+(?:\.\d+)?\s?{UNIT}(?![\w/])|(?<![\w.])\d+\.\d+x\b")
+FIGURE_PROSE = re.compile(
+    r"(?<![\w.])\d+\.\d+x\b|(?<![\w.-])\d+(?:\.\d+)?\s?(?:ms|us|µs)\b|\btok/s\b|\bGB/s\b|\bGFLOP\b"
+    r"|MiB (?:per|a) step|MiB/step|ms/step|% of the step"
+)
+FORBIDDEN = re.compile(
+    r"\bissues? \d+\b|\bthis session\b|\bthis change\b|\bspec\b[^.\n]{0,30}§|§\s?\d", re.IGNORECASE
+)
+SPEC_CITATION = re.compile(r"\bspec\b[^\n]{0,20}§")
+CHANGELOG_HEADING = re.compile(r"^## (?:Unreleased|\d+\.\d+\.\d+ \((20\d\d-\d\d-\d\d)\))$")
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.message}"
+
+
+@dataclass
+class Context:
+    """What the docs are checked against, gathered once per root."""
+
+    root: Path
+    names: set[str] = field(default_factory=set)
+    sessions: set[str] = field(default_factory=set)
+    commits_checked: dict[str, bool] = field(default_factory=dict)
+    flags_cache: dict[tuple[str, ...], frozenset[str]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, root: Path) -> Context:
+        ctx = cls(root)
+        ctx.names = project_names(root) | torch_names() | listed_names(root / NAMES_FILE)
+        ctx.sessions = nox_sessions(root)
+        return ctx
+
+    def commit_exists(self, commit: str) -> bool:
+        if commit not in self.commits_checked:
+            result = subprocess.run(
+                ["git", "-C", str(self.root), "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"],
+                capture_output=True,
+                check=False,
+            )
+            self.commits_checked[commit] = result.returncode == 0
+        return self.commits_checked[commit]
+
+    def cli_flags(self, argv: tuple[str, ...]) -> frozenset[str]:
+        """The flags ``python ARGV --help`` prints (empty when it fails to run)."""
+        if argv in self.flags_cache:
+            return self.flags_cache[argv]
+        result = subprocess.run(
+            [sys.executable, *argv, "--help"],
+            cwd=self.root,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        flags = frozenset(FLAG.findall(result.stdout)) if result.returncode == 0 else frozenset()
+        self.flags_cache[argv] = flags
+        return flags
+
+    def all_cli_flags(self) -> frozenset[str]:
+        flags: set[str] = set(LAUNCHER_FLAGS)
+        for _, argv in CLIS:
+            flags |= self.cli_flags(argv)
+        return frozenset(flags)
+
+
+# --- what exists --------------------------------------------------------------------------------------
+
+
+def project_names(root: Path) -> set[str]:
+    """Every name the project's Python defines or uses: defs, classes, attributes, arguments, keywords,
+    imported names and identifier-shaped strings (config fields, error messages' names)."""
+    names: set[str] = set()
+    for pattern in PY_GLOBS:
+        for path in root.glob(pattern):
+            try:
+                tree = ast.parse(path.read_text(), filename=str(path))
+            except SyntaxError:
+                continue
+            names.update(_names_in(tree))
+    return names
+
+
+def _names_in(tree: ast.AST) -> Iterator[str]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            yield node.name
+        elif isinstance(node, ast.Name):
+            yield node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.attr
+        elif isinstance(node, ast.arg | ast.keyword) and node.arg:
+            yield node.arg
+        elif isinstance(node, ast.alias):
+            yield node.asname or node.name.split(".")[-1]
+            yield from node.name.split(".")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield from re.findall(IDENT, node.value)
+
+
+def torch_names() -> set[str]:
+    names: set[str] = set()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # deprecated torch names still count
+    for module_name in TORCH_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for name in dir(module):
+            names.add(name)
+            value = getattr(module, name, None)
+            if isinstance(value, type):
+                names.update(dir(value))
+    return names
+
+
+def listed_names(path: Path) -> set[str]:
+    if not path.exists():
+        return set()
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return {line for line in lines if line}
+
+
+def nox_sessions(root: Path) -> set[str]:
+    """The sessions noxfile.py registers (run in a fresh interpreter: nox keeps a global registry)."""
+    code = (
+        "import runpy, sys, nox.registry\n"
+        f"runpy.run_path({str(root / 'noxfile.py')!r})\n"
+        "print('\\n'.join(nox.registry.get()))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True, timeout=120
+    )
+    return set(result.stdout.split())
+
+
+def resolve(dotted: str) -> bool:
+    """``a.b.c``: the longest importable module prefix, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                try:  # a submodule not imported by its package
+                    obj = importlib.import_module(f"{getattr(obj, '__name__', '')}.{attr}")
+                except ImportError:
+                    return False
+            else:
+                obj = getattr(obj, attr)
+        return True
+    return False
+
+
+# --- reading a Markdown file ----------------------------------------------------------------------------
+
+
+@dataclass
+class Line:
+    number: int
+    text: str
+    in_code: bool
+
+
+def read_lines(text: str) -> list[Line]:
+    lines: list[Line] = []
+    in_code = False
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if raw.lstrip().startswith("```"):
+            in_code = not in_code
+            lines.append(Line(number, raw, True))
+            continue
+        lines.append(Line(number, raw, in_code))
+    return lines
+
+
+def logical_lines(lines: list[Line]) -> Iterator[tuple[int, str, bool]]:
+    """Lines with backslash continuations joined (a shell command over several lines)."""
+    buffer: list[str] = []
+    start = 0
+    for line in lines:
+        if not buffer:
+            start = line.number
+        if line.in_code and line.text.rstrip().endswith("\\"):
+            buffer.append(line.text.rstrip()[:-1])
+            continue
+        buffer.append(line.text)
+        yield start, " ".join(buffer), line.in_code
+        buffer = []
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading).strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    seen: dict[str, int] = {}
+    result: set[str] = set()
+    for line in read_lines(text):
+        match = HEADING.match(line.text)
+        if match and not line.in_code:
+            base = slug(match.group(2))
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            result.add(base if count == 0 else f"{base}-{count}")
+    return result
+
+
+# --- the checks -----------------------------------------------------------------------------------------
+
+
+def check_doc(ctx: Context, rel: str, text: str) -> list[Problem]:
+    lines = read_lines(text)
+    problems: list[Problem] = []
+    problems += check_names(ctx, rel, lines)
+    problems += check_sessions(ctx, rel, lines)
+    problems += check_flags(ctx, rel, lines)
+    problems += check_links(ctx, rel, lines)
+    problems += check_provenance(ctx, rel, lines)
+    problems += [
+        Problem(rel, line.number, f"says {m.group(0)!r}: state the fact or rule itself")
+        for line in lines
+        for m in FORBIDDEN.finditer(line.text)
+    ]
+    return problems
+
+
+def check_names(ctx: Context, rel: str, lines: list[Line]) -> Iterator[Problem]:
+    for line in lines:
+        for match in DOTTED_GRADSYNC.finditer(line.text):
+            if not resolve(match.group(0)):
+                yield Problem(rel, line.number, f"{match.group(0)} does not exist")
+        imported = FROM_IMPORT.match(line.text) if line.in_code else None
+        if imported:
+            names = re.findall(IDENT, imported.group(2).split("#", 1)[0].replace(" as ", " , "))
+            for name in names:
+                if not resolve(f"{imported.group(1)}.{name}"):
+                    yield Problem(rel, line.number, f"{imported.group(1)} has no {name}")
+        if line.in_code:
+            continue
+        for span in CODE_SPAN.findall(line.text):
+            for name in span_names(span):
+                if name.startswith("torch.") and not resolve(name):
+                    yield Problem(rel, line.number, f"`{span}`: {name} does not exist in torch")
+                elif not name.startswith(("torch.", "gradsync.")):
+                    unknown = [p for p in name.split(".") if symbol_like(p) and p not in ctx.names]
+                    if unknown:
+                        yield Problem(
+                            rel, line.number, f"`{span}`: no {', '.join(unknown)} in gradsync or torch"
+                        )
+
+
+def span_names(span: str) -> Iterator[str]:
+    """The Python names a code span stands for: ``name``, ``a.b``, ``f(...)`` (and its keywords),
+    ``field=value``."""
+    text = span.strip()
+    if (
+        text.startswith(("-", "$", "python ", "pip ", "nox ", "torchrun ", "/", "~"))
+        or " " in text.split("(")[0]
+    ):
+        return
+    if re.search(r"\.(?:py|md|json|txt|toml|png|ini|cfg|sh)$", text):  # a file name
+        return
+    call = re.match(rf"^({IDENT}(?:\.{IDENT})*)\((.*)\)(?:\.\w+)*$", text)
+    if call:
+        yield call.group(1)
+        yield from re.findall(rf"(?<![\w.])({IDENT})=(?!=)", call.group(2))
+        return
+    assign = re.match(rf"^({IDENT})=", text)
+    if assign:
+        yield assign.group(1)
+        return
+    if re.fullmatch(rf"{IDENT}(?:\.{IDENT})*(?:\(\))?", text):
+        yield text.removesuffix("()")
+
+
+def symbol_like(part: str) -> bool:
+    """A name worth checking: snake_case with an underscore, or CamelCase; not a plain word."""
+    core = part.strip("_")
+    return bool(core) and ("_" in part or re.search(r"[a-z][A-Z]|[A-Z][a-z]+[A-Z]", part) is not None)
+
+
+def check_sessions(ctx: Context, rel: str, lines: list[Line]) -> Iterator[Problem]:
+    header: list[str] | None = None
+    for line in lines:
+        for name in NOX_SESSION.findall(line.text):
+            if name not in ctx.sessions:
+                yield Problem(rel, line.number, f"nox session {name!r} does not exist")
+        cells = table_cells(line.text) if not line.in_code else None
+        if cells is None:
+            header = None
+            continue
+        if header is None:
+            header = cells
+        elif header[0].lower() == "session" and not set(cells[0]) <= set("-: "):
+            for name in CODE_SPAN.findall(cells[0]):
+                if name not in ctx.sessions:
+                    yield Problem(rel, line.number, f"nox session {name!r} does not exist")
+
+
+def table_cells(text: str) -> list[str] | None:
+    stripped = text.strip()
+    if not (stripped.startswith("|") and stripped.endswith("|")):
+        return None
+    return [cell.strip() for cell in stripped[1:-1].split("|")]
+
+
+def check_flags(ctx: Context, rel: str, lines: list[Line]) -> Iterator[Problem]:
+    for number, text, in_code in logical_lines(lines):
+        commands = [text] if in_code else CODE_SPAN.findall(text)
+        for command in commands:
+            yield from _check_command_flags(ctx, rel, number, command, lone=not in_code)
+
+
+def _check_command_flags(ctx: Context, rel: str, number: int, command: str, lone: bool) -> Iterator[Problem]:
+    command = command.split(" #", 1)[0]
+    anchored = False
+    for pattern, argv in CLIS:
+        match = re.search(pattern, command)
+        if not match:
+            continue
+        anchored = True
+        rest = command[match.end() :]
+        if "nox -s" in match.group(0):  # the script's flags come after nox's `--`
+            rest = rest.split(" -- ", 1)[1] if " -- " in rest else ""
+        known = ctx.cli_flags(argv)
+        if not known:
+            yield Problem(rel, number, f"`{' '.join(argv)} --help` did not run")
+            continue
+        for flag in FLAG.findall(rest):
+            if flag not in known:
+                yield Problem(rel, number, f"{flag} is not a flag of {argv[-1]}")
+        break
+    if lone and not anchored and re.fullmatch(r"--[a-z][a-z0-9-]*(?:[ =]\S+)?", command.strip()):
+        flag = FLAG.findall(command)[0]
+        if flag not in ctx.all_cli_flags():
+            yield Problem(rel, number, f"{flag} is not a flag of any documented command")
+
+
+def check_links(ctx: Context, rel: str, lines: list[Line]) -> Iterator[Problem]:
+    here = (ctx.root / rel).parent
+    for line in lines:
+        if line.in_code:
+            continue
+        for target in LINK.findall(line.text):
+            if re.match(r"^[a-z]+:", target):
+                continue
+            path_part, _, anchor = target.partition("#")
+            path = (here / path_part).resolve() if path_part else ctx.root / rel
+            if not path.exists():
+                yield Problem(rel, line.number, f"link to {target}: no such file")
+            elif anchor and path.suffix == ".md" and anchor not in anchors(_read(path)):
+                yield Problem(rel, line.number, f"link to {target}: no such heading")
+
+
+_OVERRIDES: dict[Path, str] = {}
+
+
+def _read(path: Path) -> str:
+    override = _OVERRIDES.get(path.resolve())
+    return override if override is not None else path.read_text()
+
+
+def sections(lines: list[Line]) -> Iterator[list[Line]]:
+    section: list[Line] = []
+    for line in lines:
+        if HEADING.match(line.text) and not line.in_code and section:
+            yield section
+            section = []
+        section.append(line)
+    if section:
+        yield section
+
+
+def check_provenance(ctx: Context, rel: str, lines: list[Line]) -> Iterator[Problem]:
+    for section in sections(lines):
+        provenance = [line for line in section if PROVENANCE.match(line.text.strip())]
+        for line in provenance:
+            yield from _check_provenance_line(ctx, rel, line)
+        if provenance or any(SOURCE.match(line.text.strip()) for line in section):
+            continue
+        for line in section:
+            if HEADING.match(line.text) and not line.in_code:
+                continue
+            cells = table_cells(line.text)
+            pattern = FIGURE_CELL if cells is not None and not line.in_code else FIGURE_PROSE
+            text = " | ".join(cells) if cells is not None else line.text
+            text = re.sub(r"`[^`]*`", "", text) if not line.in_code else text
+            match = pattern.search(text)
+            if match:
+                yield Problem(
+                    rel,
+                    line.number,
+                    f"figure {match.group(0)!r} without a 'Measured: commit ..., date, device, torch ...' "
+                    "line in its section",
+                )
+                break
+
+
+def _check_provenance_line(ctx: Context, rel: str, line: Line) -> Iterator[Problem]:
+    text = line.text.strip()
+    commit = COMMIT.search(text)
+    if not commit:
+        yield Problem(rel, line.number, "provenance line without 'commit <hash>'")
+    elif not ctx.commit_exists(commit.group(1)):
+        yield Problem(rel, line.number, f"provenance names commit {commit.group(1)}, not in this repository")
+    if not DATE.search(text):
+        yield Problem(rel, line.number, "provenance line without a YYYY-MM-DD date")
+    if not TORCH_VERSION.search(text):
+        yield Problem(rel, line.number, "provenance line without 'torch <version>'")
+    if len([part for part in text.split(",") if part.strip()]) < 4:
+        yield Problem(
+            rel, line.number, "provenance line needs commit, date, device and torch, comma-separated"
+        )
+
+
+def check_changelog(rel: str, text: str) -> Iterator[Problem]:
+    unreleased = 0
+    first = True
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.startswith("## "):
+            continue
+        if not CHANGELOG_HEADING.match(line):
+            yield Problem(rel, number, f"{line!r}: sections are '## Unreleased' or '## X.Y.Z (YYYY-MM-DD)'")
+        if line == "## Unreleased":
+            unreleased += 1
+            if not first or unreleased > 1:
+                yield Problem(rel, number, "one '## Unreleased' section, before every version")
+        first = False
+
+
+def check_python_citations(root: Path) -> Iterator[Problem]:
+    for pattern in ("packages/*/src/**/*.py", "packages/*/tests/*.py"):
+        for path in sorted(root.glob(pattern)):
+            for number, line in enumerate(path.read_text().splitlines(), start=1):
+                if SPEC_CITATION.search(line):
+                    yield Problem(str(path.relative_to(root)), number, "cites a spec section: state the rule")
+
+
+# --- entry points ---------------------------------------------------------------------------------------
+
+
+def doc_paths(root: Path) -> list[Path]:
+    found: list[Path] = []
+    for pattern in DOC_GLOBS:
+        found += sorted(p for p in root.glob(pattern) if p not in found)
+    return found
+
+
+def check(
+    root: Path = ROOT, paths: Iterable[Path] | None = None, ctx: Context | None = None
+) -> list[Problem]:
+    """Every problem in the docs under ``root`` (or in ``paths`` only), in file order."""
+    ctx = ctx or Context.build(root)
+    problems: list[Problem] = []
+    selected = list(paths) if paths is not None else doc_paths(root)
+    for path in selected:
+        rel = str(path.resolve().relative_to(root.resolve()))
+        problems += check_doc(ctx, rel, _read(path))
+    if paths is None:
+        for path in sorted(root.glob(CHANGELOG_GLOB)):
+            problems += check_changelog(str(path.relative_to(root)), path.read_text())
+        problems += check_python_citations(root)
+    return problems
+
+
+def check_text(ctx: Context, rel: str, text: str) -> list[Problem]:
+    """Check ``text`` as if it were the doc at ``rel`` (links resolve from there)."""
+    _OVERRIDES[(ctx.root / rel).resolve()] = text
+    try:
+        return check_doc(ctx, rel, text)
+    finally:
+        del _OVERRIDES[(ctx.root / rel).resolve()]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("docs", nargs="*", type=Path, help="docs to check (default: every doc)")
+    args = parser.parse_args(argv)
+    problems = check(ROOT, [p.resolve() for p in args.docs] or None)
+    for problem in problems:
+        print(problem)
+    checked = len(args.docs) or len(doc_paths(ROOT))
+    print(f"doccheck: {checked} docs, {len(problems)} problem(s)", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,109 @@
+# ruff: noqa: INP001 (a script's test, not a package)
+"""The doc check passes on the docs as they are, and fails on each kind of wrong name or missing
+provenance planted into a copy of a real doc's text (run by ``nox -s build``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def load_doccheck() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("doccheck", HERE / "doccheck.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["doccheck"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+doccheck = load_doccheck()
+ROOT: Path = doccheck.ROOT
+
+
+@pytest.fixture(scope="module")
+def ctx() -> Any:
+    return doccheck.Context.build(ROOT)
+
+
+def messages(ctx: Any, rel: str, text: str) -> list[str]:
+    return [str(problem) for problem in doccheck.check_text(ctx, rel, text)]
+
+
+def test_the_docs_pass(ctx: Any) -> None:
+    problems = doccheck.check(ROOT, ctx=ctx)
+    assert not problems, "\n".join(str(p) for p in problems)
+
+
+# (doc, exact text in it, the wrong version planted, what the check must then name)
+PLANTS = [
+    (
+        "README.md",
+        "`gradsync.finalize.finalize_model_grads`",
+        "`gradsync.finalize.finalize_model_gradz`",
+        "gradsync.finalize.finalize_model_gradz does not exist",
+    ),
+    (
+        "README.md",
+        "`init_model_with_meta_device`",
+        "`init_model_with_meta_devices`",
+        "init_model_with_meta_devices",
+    ),
+    (
+        "packages/gradsync-ddp/README.md",
+        "`zero_grad_buffer()` before",
+        "`zero_grad_buffers()` before",
+        "zero_grad_buffers",
+    ),
+    (
+        "packages/gradsync-ddp/README.md",
+        "from gradsync.ddp import DistributedOptimizer\n",
+        "from gradsync.ddp import DistributedOptimiser\n",
+        "gradsync.ddp has no DistributedOptimiser",
+    ),
+    ("docs/allocators.md", "`nccl_ub=True` (CUDA", "`nccl_ubb=True` (CUDA", "nccl_ubb"),
+    ("CONTRIBUTING.md", "nox -s tests-groups --", "nox -s tests-group --", "nox session 'tests-group'"),
+    ("CONTRIBUTING.md", "| `layers` |", "| `layer` |", "nox session 'layer'"),
+    ("integration/README.md", "train -- --pp 2", "train -- --pipeline 2", "--pipeline is not a flag of"),
+    (
+        "README.md",
+        "--costs nccl-h100-ib",
+        "--cost nccl-h100-ib",
+        "--cost is not a flag of gradsync.buffers.plan",
+    ),
+    ("README.md", "(docs/planner.md)", "(docs/planer.md)", "no such file"),
+    ("CONTRIBUTING.md", "(README.md#status)", "(README.md#state)", "no such heading"),
+    ("README.md", "Measured: commit 26c4866,", "Figures: commit 26c4866,", "figure '1.072x' without"),
+    (
+        "README.md",
+        "Measured: commit 26c4866,",
+        "Measured: commit 1234567,",
+        "commit 1234567, not in this repository",
+    ),
+    ("docs/planner.md", "The α-β form fits", "This session, the α-β form fits", "says 'This session'"),
+]
+
+
+@pytest.mark.parametrize(("doc", "right", "wrong", "expected"), PLANTS, ids=[p[2] for p in PLANTS])
+def test_a_planted_mistake_fails(ctx: Any, doc: str, right: str, wrong: str, expected: str) -> None:
+    text = (ROOT / doc).read_text()
+    assert right in text, f"{doc} no longer holds {right!r}: plant elsewhere"
+    assert not any(expected in m for m in messages(ctx, doc, text))
+    found = messages(ctx, doc, text.replace(right, wrong, 1))
+    assert any(expected in m for m in found), found
+
+
+def test_changelog_sections() -> None:
+    good = "# Changelog\n\n## Unreleased\n- a\n\n## 0.2.0 (2026-11-23)\n- b\n"
+    assert not list(doccheck.check_changelog("CHANGELOG.md", good))
+    bad = "# Changelog\n\n## 0.3.0 (unreleased)\n\n## Unreleased\n\n## 0.2.0\n"
+    found = [str(p) for p in doccheck.check_changelog("CHANGELOG.md", bad)]
+    assert len(found) == 3, found  # the undated 0.3.0, the late Unreleased, the undated 0.2.0
