@@ -323,6 +323,16 @@ def bench_ab(session: nox.Session) -> None:
     session.run("python", str(ROOT / "benchmarks" / "bench_ab.py"), *session.posargs)
 
 
+@nox.session(name="bench-launch")
+def bench_launch(session: nox.Session) -> None:
+    """Benchmark (not a test): the launch-bound model (next to no compute, many small params and units), every
+    system's steps interleaved: host time per step, unit and param beside torch DDP, FSDP2 and the floor, on
+    gloo at worlds 1 and 2 (no GPU). ``-- --device cuda`` adds issue 30's models (fp32, the bf16 recipe) at
+    world 1 on NCCL, sized for five minutes on one GPU (benchmarks/bench_launch.py; DeepSpeed if named)."""
+    install_local(session, "ddp", "fsdp", "finalize")
+    session.run("python", str(ROOT / "benchmarks" / "bench_launch.py"), *session.posargs)
+
+
 @nox.session(name="bench-muon")
 def bench_muon(session: nox.Session) -> None:
     """Benchmark (not a test): Muon against AdamW under ddp+distopt, ZeRO-1 and ZeRO-3, interleaved at two

@@ -117,16 +117,18 @@ def run_repeats(args: argparse.Namespace, bucket_mb: int) -> list[dict[str, floa
         *("--batch-per-rank", str(args.batch_per_rank)),
         *("--systems", *args.systems),
     ]
-    repeats = []
-    for _ in range(args.repeats):
-        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if done.returncode != 0 or not lines:
-            raise SystemExit(
-                f"bench_ab failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
-            )
-        repeats.append(json.loads(lines[-1].removeprefix("RESULT ")))
-    return repeats
+    return [result_of(command, env) for _ in range(args.repeats)]
+
+
+def result_of(command: list[str], env: dict[str, str]) -> Any:
+    """Run a torchrun job; the JSON its rank 0 printed last on a ``RESULT`` line."""
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(
+            f"torchrun job failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+        )
+    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 def summarise(repeats: list[dict[str, float]]) -> dict[str, dict[str, float]]:

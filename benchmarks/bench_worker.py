@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,9 @@ from toygpt.model import GPTConfig, GPTStage, next_token_loss
 from gradsync.finalize import finalize_model_grads
 from gradsync.groups import initialize_model_parallel
 
-Step = Callable[[torch.Tensor], float]
+Step = Callable[[torch.Tensor], torch.Tensor]
+"""One training step on a batch of tokens; returns the loss, detached and not read, so that a step on a GPU
+returns once issued (bench_launch.py times that apart from the GPU's own time)."""
 
 
 def bytes_written() -> int:
@@ -39,17 +42,32 @@ def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Step:
     """The floor, torch DDP and FSDP2: the wrapper's hooks do the communication inside backward."""
 
-    def step(tokens: torch.Tensor) -> float:
+    def step(tokens: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad()
         loss = loss_of(model, tokens)
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
-        return float(loss)
+        return loss.detach()
 
     return step
 
 
-def gradsync_step(system: str, model: nn.Module, lr: float, bucket_elements: int) -> Step:
+def fsdp2_step(system: str, model: GPTStage, lr: float, **options: Any) -> Step:
+    """torchtitan's calls: ``fully_shard`` (torch's for ``torch-fsdp2*``, else gradsync's FSDP2-style API) on
+    each block, then on the root, with ``options``; the optimizer built afterwards on the DTensor shards."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from gradsync.fsdp.fsdp2 import fully_shard as gradsync_fully_shard
+
+    shard: Callable[..., Any] = torch_fully_shard if system.startswith("torch-") else gradsync_fully_shard
+    for block in model.blocks.values():
+        shard(block, **options)
+    shard(model, **options)
+    return plain_step(model, torch.optim.AdamW(model.parameters(), lr=lr))
+
+
+def gradsync_step(system: str, model: nn.Module, lr: float, bucket_elements: int, bf16: bool = False) -> Step:
+    """``bf16``: the model's weights are bf16 and get Megatron's recipe (fp32 main weights and grads)."""
     from toygpt.strategies import wrap
     from train import EMBEDDINGS
 
@@ -71,6 +89,7 @@ def gradsync_step(system: str, model: nn.Module, lr: float, bucket_elements: int
                 ns_dtype=ns_dtype,
             ),
             bucket_elements,
+            bf16=bf16,
             shard_alignment=lambda name, param: "tensor" if param.dim() >= 2 else None,
         )
     else:
@@ -80,16 +99,17 @@ def gradsync_step(system: str, model: nn.Module, lr: float, bucket_elements: int
             groups,
             lambda named: torch.optim.AdamW([p for _, p in named], lr=lr),
             bucket_elements,
+            bf16=bf16,
         )
 
-    def step(tokens: torch.Tensor) -> float:
+    def step(tokens: torch.Tensor) -> torch.Tensor:
         wrapped.optimizer.zero_grad()
         wrapped.model.zero_grad_buffer()
         loss = loss_of(wrapped.model, tokens)
         loss.backward()  # type: ignore[no-untyped-call]
         finalize_model_grads([wrapped.model], pg_collection=groups)
         wrapped.optimizer.step()
-        return float(loss)
+        return loss.detach()
 
     return step
 
@@ -114,11 +134,11 @@ def deepspeed_step(stage: int, model: nn.Module, lr: float, bucket_elements: int
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
-    def step(tokens: torch.Tensor) -> float:
+    def step(tokens: torch.Tensor) -> torch.Tensor:
         loss = loss_of(engine, tokens)
         engine.backward(loss)
         engine.step()
-        return float(loss)
+        return loss.detach()
 
     return step
 
@@ -130,14 +150,10 @@ def build(system: str, model: GPTStage, args: argparse.Namespace) -> Step:
     if system == "torch-ddp":
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
         return plain_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=args.lr))
-    if system in ("torch-fsdp2", "torch-fsdp2-no-reshard"):
-        from torch.distributed.fsdp import fully_shard
-
-        reshard = system == "torch-fsdp2"  # ZeRO-3; without resharding after forward: ZeRO-2's memory
-        for block in model.blocks.values():
-            fully_shard(block, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
-        return plain_step(model, torch.optim.AdamW(model.parameters(), lr=args.lr))
+    if system in ("torch-fsdp2", "torch-fsdp2-no-reshard", "gradsync-fsdp2"):
+        # ZeRO-3; without resharding after forward: ZeRO-2's memory
+        reshard = system != "torch-fsdp2-no-reshard"
+        return fsdp2_step(system, model, args.lr, reshard_after_forward=reshard)
     if system.startswith("deepspeed-zero"):
         return deepspeed_step(int(system[-1]), model, args.lr, bucket_elements, args.batch_per_rank)
     return gradsync_step(system.removeprefix("gradsync-"), model, args.lr, bucket_elements)
@@ -169,12 +185,12 @@ def main() -> None:
         local_rows(corpus.batch(i, args.batch_per_rank * world, args.seq_len), rank, world)
         for i in range(args.warmup + args.steps)
     ]
-    losses = [step(b) for b in batches[: args.warmup]]
+    losses = [float(step(b)) for b in batches[: args.warmup]]
     dist.barrier()
     written, times = bytes_written(), []
     for tokens in batches[args.warmup :]:
         start = time.perf_counter()
-        losses.append(step(tokens))
+        losses.append(float(step(tokens)))
         times.append(time.perf_counter() - start)
     wire = (bytes_written() - written) / args.steps
     stats = torch.tensor(
