@@ -216,7 +216,7 @@ def installed_gradsync(session: nox.Session) -> set[str]:
 COMPAT_TESTS = {
     "groups": ("test_megatron_api.py",),
     "buffers": ("test_buffer.py", "test_collective_paths.py"),
-    "ddp": ("test_wrapper.py", "test_distributed_optimizer.py", "test_dcp.py"),
+    "ddp": ("test_wrapper.py", "test_distributed_optimizer.py", "test_dcp.py", "test_rank_agreement.py"),
     "fsdp": (
         "test_parity.py",
         "test_hsdp.py",
@@ -227,6 +227,7 @@ COMPAT_TESTS = {
         "test_ragged.py",
         "test_torch_native.py",
         "test_uneven_dtensor.py",
+        "test_rank_agreement.py",
     ),
     "finalize": ("test_finalize.py",),
 }

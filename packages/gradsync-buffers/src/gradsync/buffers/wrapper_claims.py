@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
@@ -75,12 +76,16 @@ def refuse_unfrozen(frozen: Sequence[tuple[str, nn.Parameter]], who: str) -> Non
         )
 
 
-def refuse_sync_without_backward(backward_ran: bool, who: str) -> None:
+def refuse_sync_without_backward(
+    backward_ran: bool, grads: Callable[[], Iterable[torch.Tensor]], who: str
+) -> None:
     """Raise, before any collective, on a rank that syncs grads with no backward since
-    ``zero_grad_buffer()``: it skipped the batch (an exception caught around its backward, say) while the
-    other ranks' reductions wait for its grads. torch's DDP raises on that rank too; the others stay
-    in their collectives until the process group's timeout (or gradsync's hang watchdog) ends them."""
-    if not backward_ran:
+    ``zero_grad_buffer()`` and nothing written into its grads: it skipped the batch (an exception caught
+    around its backward, say) while the other ranks' reductions wait for its grads. torch's DDP raises on
+    that rank too; the others stay in their collectives until the process group's timeout (or gradsync's
+    hang watchdog) ends them. Grads written by hand (tests, custom accumulation) are synced as given; only
+    on this rare path are the grads read (a host sync on an accelerator)."""
+    if not backward_ran and not any(bool(grad.any()) for grad in grads()):
         raise RuntimeError(
             f"{who}: finish_grad_sync() on rank {dist.get_rank()} with no backward since zero_grad_buffer(); "
             "every data-parallel rank must run forward and backward every step, or the others wait for its "

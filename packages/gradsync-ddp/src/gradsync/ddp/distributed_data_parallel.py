@@ -356,7 +356,7 @@ class DistributedDataParallel(_BaseDataParallel):
         grad, so any torch.optim optimizer can step: a view of ``main_grad`` when dtypes match, else a copy
         in the param dtype that :meth:`scale_gradients` (and finalize_model_grads' reductions) keep equal
         to ``main_grad``."""
-        refuse_sync_without_backward(self._backward_this_cycle, type(self).__name__)
+        refuse_sync_without_backward(self._backward_this_cycle, self._grad_buffers, type(self).__name__)
         self.grad_buffers.finish_grad_sync(force_all_reduce)
         self._grads_pending = False
         if self.ddp_config.use_distributed_optimizer and not force_all_reduce:
@@ -383,6 +383,9 @@ class DistributedDataParallel(_BaseDataParallel):
             param.grad = None
         self.grad_buffers.reset()
         self._grads_pending = self._backward_this_cycle = False
+
+    def _grad_buffers(self) -> Iterator[torch.Tensor]:
+        return (buffer.grad_data for buffer in self.grad_buffers.all_buffers)
 
     def refuse_unsynced_step(self) -> None:
         """Raise before an optimizer step that would apply wrong grads (run by a global step pre-hook,

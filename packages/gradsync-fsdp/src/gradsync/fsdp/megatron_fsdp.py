@@ -660,7 +660,7 @@ class MegatronFSDP(nn.Module):
         reductions on the attached grads)."""
         if self._grads_finished:
             return
-        refuse_sync_without_backward(self._backward_this_cycle, "MegatronFSDP")
+        refuse_sync_without_backward(self._backward_this_cycle, self._grad_buffers, "MegatronFSDP")
         self.synchronize_gradient_reduce()
         self._refuse_non_finite_grads()
         self.attach_grad_to_optimizer_state()
@@ -720,6 +720,9 @@ class MegatronFSDP(nn.Module):
         for bucket in self.buckets:
             bucket.stats.reset()
         telemetry.next_step()
+
+    def _grad_buffers(self) -> Iterator[torch.Tensor]:
+        return (bucket.grad for bucket in self.buckets if bucket.grad is not None)
 
     def refuse_unsynced_step(self) -> None:
         """Raise before an optimizer step that would apply wrong grads (run by a global step pre-hook)."""
