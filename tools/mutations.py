@@ -3,8 +3,9 @@
 the behaviour is broken.
 
 Each entry names a source file, an exact piece of its text, a replacement that breaks the behaviour, and
-the pytest node ids that guard it. The script copies ``packages/`` to a temporary directory once, points
-``PYTHONPATH`` at the copy's sources (so the installed packages, editable or not, are shadowed), checks
+the pytest node ids that guard it. The script copies ``packages/`` to a temporary directory once per job
+(``--jobs`` mutations run at once, 2 by default: most of a run is process start-up), points
+``PYTHONPATH`` at each copy's sources (so the installed packages, editable or not, are shadowed), checks
 that the copy is what gets imported, runs every guard once unmutated (it must pass), and then for each
 mutation: replaces the text in the copy (it must occur exactly once, so a stale entry fails loudly),
 runs the guards, and puts the original back. The working tree is never written. A mutation is killed
@@ -20,8 +21,10 @@ killed.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -111,6 +114,9 @@ def main() -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip running the guards unmutated first")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
     parser.add_argument("-v", "--verbose", action="store_true", help="show how each guard failed")
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="mutations run at once, each in its own copy (default 2)"
+    )
     args = parser.parse_args()
 
     mutations = [m for m in load(args.file) if args.select in m.name]
@@ -123,11 +129,16 @@ def main() -> int:
 
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gradsync-mutations-") as tmp:
-        copy = Path(tmp)
-        shutil.copytree(ROOT / "packages", copy / "packages", ignore=IGNORED)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (src_path(copy), env.get("PYTHONPATH", "")) if p)
-        check_imports_from(copy, env)
+        copies: queue.SimpleQueue[tuple[Path, dict[str, str]]] = queue.SimpleQueue()
+        for index in range(max(1, args.jobs)):
+            copy = Path(tmp) / str(index)
+            shutil.copytree(ROOT / "packages", copy / "packages", ignore=IGNORED)
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (src_path(copy), env.get("PYTHONPATH", "")) if p)
+            check_imports_from(copy, env)
+            copies.put((copy, env))
+        copy, env = copies.get()
+        copies.put((copy, env))
 
         if not args.no_baseline:  # one pytest run per package, as nox runs them (test module names repeat)
             by_package: dict[str, list[str]] = {}
@@ -141,26 +152,36 @@ def main() -> int:
             count = sum(len(g) for g in by_package.values())
             print(f"baseline: {count} guards pass unmutated ({time.monotonic() - started:.0f} s)")
 
-        failures = []
-        for m in mutations:
+        def run(m: Mutation) -> tuple[Mutation, int, str, float]:
+            """Mutate a free copy, run the guards, put the copy back as it was."""
             t0 = time.monotonic()
+            copy, env = copies.get()
             try:
                 original = apply(copy, m)
             except ValueError as error:
-                failures.append(m.name)
-                print(f"ERROR     {m.name}: {error}")
-                continue
+                copies.put((copy, env))
+                return m, -1, str(error), 0.0
             try:
                 rc, tail = pytest(copy, env, m.guards, args.timeout)
             finally:
                 (copy / m.file).write_text(original)
-            took = time.monotonic() - t0
-            if rc == 1:
-                print(f"killed    {m.name} ({took:.0f} s)" + (f"\n{tail}\n" if args.verbose else ""))
-                continue
-            failures.append(m.name)
-            verdict = "SURVIVED" if rc == 0 else f"ERROR (pytest exit {rc})"
-            print(f"{verdict:9} {m.name} ({took:.0f} s): {m.file}, guards {', '.join(m.guards)}\n{tail}")
+                copies.put((copy, env))
+            return m, rc, tail, time.monotonic() - t0
+
+        failures = []
+        with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            for m, rc, tail, took in pool.map(run, mutations):
+                if rc == -1:
+                    failures.append(m.name)
+                    print(f"ERROR     {m.name}: {tail}")
+                elif rc == 1:
+                    print(f"killed    {m.name} ({took:.0f} s)" + (f"\n{tail}\n" if args.verbose else ""))
+                else:
+                    failures.append(m.name)
+                    verdict = "SURVIVED" if rc == 0 else f"ERROR (pytest exit {rc})"
+                    print(
+                        f"{verdict:9} {m.name} ({took:.0f} s): {m.file}, guards {', '.join(m.guards)}\n{tail}"
+                    )
 
     total = time.monotonic() - started
     print(f"{len(mutations) - len(failures)} of {len(mutations)} mutations killed in {total:.0f} s")
