@@ -155,12 +155,11 @@ class DistributedDataParallel(_BaseDataParallel):
         # dense params first: an expert-group mismatch raises on that group's ranks only, and the others
         # must not be left waiting in a broadcast over the whole data-parallel group
         if init_sync:
-            broadcast_from_first_rank([p.data for _, p in named if not is_expert_parallel(p)], dp_cp)
+            _broadcast_params(module, experts=False, group=dp_cp)
         if self.pg_collection.expt_dp is not None:
             check_experts_match_across_ranks(named, self.pg_collection.expt_dp, who=type(self).__name__)
             if init_sync:
-                experts = [p.data for _, p in named if is_expert_parallel(p)]
-                broadcast_from_first_rank(experts, self.pg_collection.expt_dp)
+                _broadcast_params(module, experts=True, group=self.pg_collection.expt_dp)
         if full_param_layout is not None and shard_alignment is not None:
             raise ValueError(
                 "DistributedDataParallel: full_param_layout was computed before shard_alignment could "
@@ -451,13 +450,18 @@ class DistributedDataParallel(_BaseDataParallel):
     def broadcast_params(self) -> None:
         """Copy the first data-parallel rank's params (frozen ones too) to every replica; expert params
         from the first rank of their expert-data-parallel group."""
-        params = list(self.module.parameters())
-        for experts, group in ((False, self.pg_collection.dp_cp), (True, self.pg_collection.expt_dp)):
-            chosen = [p.data for p in params if is_expert_parallel(p) == experts]
-            if chosen:
-                if group is None:
-                    raise ValueError("broadcast_params: expert params need pg_collection.expt_dp")
-                broadcast_from_first_rank(chosen, group)
+        _broadcast_params(self.module, experts=False, group=self.pg_collection.dp_cp)
+        _broadcast_params(self.module, experts=True, group=self.pg_collection.expt_dp)
+
+
+def _broadcast_params(module: nn.Module, *, experts: bool, group: dist.ProcessGroup | None) -> None:
+    """The dense (or expert) params of ``module`` from the first rank of ``group``."""
+    chosen = [p.data for p in module.parameters() if is_expert_parallel(p) == experts]
+    if not chosen:
+        return
+    if group is None:
+        raise ValueError("broadcast_params: expert params need pg_collection.expt_dp")
+    broadcast_from_first_rank(chosen, group)
 
 
 def _synchronize(device: torch.device | None) -> None:
