@@ -214,7 +214,7 @@ def installed_gradsync(session: nox.Session) -> set[str]:
 # strategies, HSDP / HFSDP, the fully_shard and fsdp2 APIs), every checkpoint path (DCP resharding, the
 # optimizer's state on ranks owning nothing, full state dicts) and finalize_model_grads.
 COMPAT_TESTS = {
-    "groups": ("test_megatron_api.py",),
+    "groups": ("test_megatron_api.py", "test_teardown.py"),
     "buffers": ("test_buffer.py", "test_collective_paths.py"),
     "ddp": ("test_wrapper.py", "test_distributed_optimizer.py", "test_dcp.py", "test_rank_agreement.py"),
     "fsdp": (

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from gradsync.groups import get_backend_capabilities
+from gradsync.groups import get_backend_capabilities, guard_group_teardown
 from gradsync.groups.objects import all_gather_objects
 
 _MAX_NAMES = 8  # params named per bucket group in a message
@@ -358,6 +358,7 @@ def start_hang_watchdog(
             raise TypeError(f"start_hang_watchdog: {type(source).__name__} has no pending_grads()")
     timeout = timedelta(seconds=max(threshold_s, 2.0))
     side = dist.new_group(backend="gloo", timeout=timeout)
+    guard_group_teardown(side)
     _switch.watchdog = HangWatchdog(threshold_s, sources, side, stream_ordered)
     return _switch.watchdog
 

@@ -24,7 +24,7 @@ import weakref
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from gradsync.groups import FSDPDistributedIndex
+from gradsync.groups import FSDPDistributedIndex, guard_group_teardown
 from gradsync.groups.torch_internals import default_group
 
 LANE_DESC = "gradsync_fsdp_gather_lane"
@@ -77,6 +77,7 @@ def _build_lane(mesh: DeviceMesh, dim: str, shard: dist.ProcessGroup) -> dist.Pr
     for members in rank_lists:
         group = dist.new_group(members, backend=backend, group_desc=LANE_DESC)
         if dist.get_rank() in members:
+            guard_group_teardown(group)
             lane = group
     _require_same_ranks(lane, shard, "the gather lane built from the index's mesh")
     return lane

@@ -27,6 +27,7 @@ from .layout import (
     hierarchical_rank_groups,
 )
 from .model_config import ModelParallelConfig, ModelParallelConfigProtocol
+from .teardown import guard_group_teardown
 from .version import __version__
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "device_for_group",
     "generate_masked_orthogonal_rank_groups",
     "get_backend_capabilities",
+    "guard_group_teardown",
     "hierarchical_rank_groups",
     "initialize_model_parallel",
 ]

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from .collection import ProcessGroupCollection
 from .layout import DEFAULT_ORDER, EmbeddingRanksFn, RankLayout, compute_rank_layout
+from .teardown import guard_group_teardown
 
 # Creation order; every rank walks it identically.
 _CREATION_ORDER = (
@@ -127,6 +128,7 @@ def _new_groups(
     for ranks in all_groups:
         group = dist.new_group(ranks=list(ranks), timeout=timeout, backend=backend, group_desc=desc)
         if rank in ranks:
+            guard_group_teardown(group)
             mine = group
     return mine
 

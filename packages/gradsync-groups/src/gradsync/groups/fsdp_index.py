@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .backend import get_backend_capabilities
+from .teardown import guard_group_teardown
 from .torch_internals import default_group, flatten_mesh
 
 MeshKey = tuple[tuple[str, ...], bool]
@@ -38,6 +39,8 @@ def _world_mesh(
         device_type, (dp_outer, dp_shard, tp), mesh_dim_names=("dp_outer", "dp_shard", "tp")
     )
     hybrid_group = flatten_mesh(mesh["dp_outer", "dp_shard"], "hsdp").get_group() if dp_outer > 1 else None
+    for group in [*mesh.get_all_groups(), hybrid_group]:
+        guard_group_teardown(group)
     _WORLD_MESHES[key] = (default, mesh, hybrid_group)
     return mesh, hybrid_group
 

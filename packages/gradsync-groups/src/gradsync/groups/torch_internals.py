@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["default_group", "flatten_mesh"]
+__all__ = ["backends_of", "default_group", "flatten_mesh"]
 
 
 def default_group() -> dist.ProcessGroup:
@@ -19,3 +19,9 @@ def flatten_mesh(mesh: DeviceMesh, name: str | None = None) -> DeviceMesh:
     """``mesh``'s dims flattened into one (``DeviceMesh._flatten``, checked on 2.6; torch has no public
     name for it yet)."""
     return mesh._flatten(name) if name is not None else mesh._flatten()
+
+
+def backends_of(group: dist.ProcessGroup) -> list[object]:
+    """The backend objects (``ProcessGroupGloo``, ``ProcessGroupNCCL``, ...) behind ``group``, one per
+    device type it serves (``ProcessGroup._device_types`` and ``_get_backend``, checked on 2.6)."""
+    return [group._get_backend(device) for device in group._device_types]
