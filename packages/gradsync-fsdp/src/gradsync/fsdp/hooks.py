@@ -26,9 +26,10 @@ class TrainingState(Enum):
 def set_state(modules: Sequence[nn.Module], state: TrainingState) -> None:
     """Set ``state`` on each of ``modules``: a module and every module inside it, listed once at
     construction (walking the tree in every phase of every unit was a measurable part of a small
-    model's step)."""
+    model's step). Written to the instance dict: ``nn.Module.__setattr__`` would first look for a param,
+    buffer or submodule of that name, for every module in every phase."""
     for sub in modules:
-        sub._training_state = state  # type: ignore[assignment]
+        sub.__dict__["_training_state"] = state
 
 
 def get_state(module: nn.Module) -> TrainingState:
@@ -75,8 +76,14 @@ def on_first_output_grad(output: Any, handler: Callable[[], None]) -> None:
         return
     leaves, _ = pytree.tree_flatten(output)
     tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-    if tensors:
-        torch.autograd.graph.register_multi_grad_hook(tensors, lambda _grads: handler(), mode="any")
+
+    def call(_grads: Any) -> None:  # returns None: the grad passes unchanged
+        handler()
+
+    if len(tensors) == 1:  # the usual case, and a plain tensor hook costs a fraction of a multi-grad one
+        tensors[0].register_hook(call)
+    elif tensors:
+        torch.autograd.graph.register_multi_grad_hook(tensors, call, mode="any")
 
 
 def weak_method(owner: Any, name: str, *bound: Any) -> Callable[..., Any]:

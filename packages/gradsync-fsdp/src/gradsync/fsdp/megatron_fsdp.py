@@ -508,7 +508,8 @@ class MegatronFSDP(nn.Module):
         recomputing = get_state(unit) is TrainingState.PRE_BACKWARD
         if not recomputing:
             set_state(self._modules_of_unit[unit_id], TrainingState.FORWARD)
-        self._gathers.gather_unit(unit_id, prefetch=None if recomputing else unit_id + 1)
+        if self.sharding.shard_main:  # no_shard's compute weights are never stale
+            self._gathers.gather_unit(unit_id, prefetch=None if recomputing else unit_id + 1)
         if self.sharding.shard_params:
             return attach_post_backward(args, kwargs, functools.partial(self._unit_post_backward, unit_id))
         return None
@@ -542,7 +543,8 @@ class MegatronFSDP(nn.Module):
 
     def _unit_pre_backward(self, unit_id: int) -> None:
         set_state(self._modules_of_unit[unit_id], TrainingState.PRE_BACKWARD)
-        self._gathers.gather_unit(unit_id, prefetch=unit_id - 1)
+        if self.sharding.shard_main:
+            self._gathers.gather_unit(unit_id, prefetch=unit_id - 1)
 
     def _unit_post_backward(self, unit_id: int) -> None:
         set_state(self._modules_of_unit[unit_id], TrainingState.POST_BACKWARD)
