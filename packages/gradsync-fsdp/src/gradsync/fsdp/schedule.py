@@ -104,8 +104,8 @@ class ReduceSchedule:
             self._reopen(bucket)
         if not bucket.can_take_grads():
             self.wait_until(bucket.can_take_grads)
-        with torch.no_grad():
-            bucket.accumulate(index, grad)
+        # a grad with history (create_graph=True) would record the buffer into the graph: add its data
+        bucket.accumulate(index, grad.detach() if grad.requires_grad else grad)
         ready = self._ready[bucket.bucket_id]
         ready.add(index)
         if len(ready) == len(bucket.spec.params):
