@@ -63,7 +63,7 @@ from .hooks import (
 )
 from .hsdp import optimizer_placements, outer_replication
 from .lanes import gather_group
-from .local_step import watch_state_splits
+from .local_step import adopt_hand_built_optimizers, watch_state_splits
 from .meta_init import ParamInitFn, materialize, replace_meta_params
 from .mixed_precision import MixedPrecisionPolicy, policy_from_config
 from .optimizer_params import OptimizerGrads, build_optimizer_params
@@ -281,6 +281,7 @@ class MegatronFSDP(nn.Module):
         self._stepped = False  # an optimizer stepped the params since the last install
         watch_optimizer_steps()
         watch_state_splits()
+        adopt_hand_built_optimizers()
         self._registry = ParamRegistry(module, self.sharded_param_of)
         self._forwards_awaiting_backward = 0
         for meta_param, placeholder in (meta.params if meta is not None else {}).items():
