@@ -81,7 +81,7 @@ def on_first_output_grad(output: Any, handler: Callable[[], None]) -> None:
         handler()
 
     if len(tensors) == 1:  # the usual case, and a plain tensor hook costs a fraction of a multi-grad one
-        tensors[0].register_hook(call)
+        tensors[0].register_hook(call)  # type: ignore[no-untyped-call]
     elif tensors:
         torch.autograd.graph.register_multi_grad_hook(tensors, call, mode="any")
 
