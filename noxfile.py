@@ -228,6 +228,7 @@ COMPAT_TESTS = {
         "test_torch_native.py",
         "test_uneven_dtensor.py",
         "test_rank_agreement.py",
+        "test_local_step.py",
     ),
     "finalize": ("test_finalize.py",),
 }

@@ -162,12 +162,17 @@ class FlatParamBucket:
         self._unreduced: torch.Tensor | None = None  # ZeRO-2/3: this backward's whole-bucket grads
         self._reduced_earlier: torch.Tensor | None = None  # see set_aside_reduced
         self.non_finite_params: list[str] = []  # report_nan_in_param_grad: this rank's, in this cycle
+        self._grad_items: list[torch.Tensor] = []  # no_shard / ZeRO-1: each param's view of self.grad
         if spec.requires_grad:
             lo, hi = self.grad_range
             self.grad = torch.zeros(hi - lo, dtype=self.grad_dtype, device=device)
             if not sharding.shard_grads:
-                for param, item in zip(spec.params, self.layout.items, strict=True):
-                    param.main_grad = self._item_view(self.grad, 0, item.offset, item.end, item.shape)  # type: ignore[attr-defined]
+                self._grad_items = [
+                    self._item_view(self.grad, 0, item.offset, item.end, item.shape)
+                    for item in self.layout.items
+                ]
+                for param, view in zip(spec.params, self._grad_items, strict=True):
+                    param.main_grad = view  # type: ignore[attr-defined]
         self.status = BucketStatus.READY_TO_USE
         self.stats = CommStats()  # this step's collectives (bytes, spans), as gradsync-ddp's bucket groups
         self._gather: Launched | None = None
@@ -326,13 +331,12 @@ class FlatParamBucket:
     # --- grads -------------------------------------------------------------------------------------
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
         """Add one param's grad from this backward into the bucket."""
-        item = self.layout.items[index]
-        if self.sharding.shard_grads:
+        if self.sharding.shard_grads:  # this backward's buffer: it may come from an allocator each time
+            item = self.layout.items[index]
             target = self._item_view(self._unreduced_grads(), 0, item.offset, item.end, item.shape)
         else:
-            assert self.grad is not None
-            target = self._item_view(self.grad, 0, item.offset, item.end, item.shape)
-        target.add_(grad.view_as(target))
+            target = self._grad_items[index]
+        target.add_(grad)
 
     def launch_reduce(self, reduction: GradReduction, norms: LocalGradNorms | None = None) -> Launched:
         """Scale and reduce this bucket's grads: reduce-scatter into the shard (ZeRO-1/2/3; ZeRO-2/3 add

@@ -22,7 +22,7 @@ from gradsync.buffers.shard_alignment import ShardAlignmentSpec
 from gradsync.groups import FSDPDistributedIndex
 
 from .dcp import describe_optimizer_state
-from .local_step import local_tensors_for_step
+from .local_step import LENDING_ATTR, local_tensors_for_step
 from .megatron_fsdp import MegatronFSDP
 from .meta_init import ParamInitFn
 from .mixed_precision import MixedPrecisionPolicy
@@ -149,6 +149,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
     the updated weights after, and ``optimizer.zero_grad()`` also zero the grad buffers. The state is
     materialised and its state dict described for ``torch.distributed.checkpoint``. In place."""
     model = _model_of(optimizer)
+    setattr(optimizer, LENDING_ATTR, True)  # its steps lend the locals below: not to be adopted
     materialize_optimizer_state(optimizer)  # a step with zero grads and lr 0: not a training step
     model.zero_grad_buffer()
     optimizer.register_state_dict_post_hook(_describe_state)

@@ -4,7 +4,7 @@ unit's inputs, and the hooks that fire on the first grad of a module's outputs."
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum, auto
 from typing import Any
 
@@ -23,10 +23,13 @@ class TrainingState(Enum):
     IDLE = auto()
 
 
-def set_state(module: nn.Module, state: TrainingState) -> None:
-    """Set ``state`` on ``module`` and every module inside it."""
-    for sub in module.modules():
-        sub._training_state = state  # type: ignore[assignment]
+def set_state(modules: Sequence[nn.Module], state: TrainingState) -> None:
+    """Set ``state`` on each of ``modules``: a module and every module inside it, listed once at
+    construction (walking the tree in every phase of every unit was a measurable part of a small
+    model's step). Written to the instance dict: ``nn.Module.__setattr__`` would first look for a param,
+    buffer or submodule of that name, for every module in every phase."""
+    for sub in modules:
+        sub.__dict__["_training_state"] = state
 
 
 def get_state(module: nn.Module) -> TrainingState:
@@ -73,8 +76,14 @@ def on_first_output_grad(output: Any, handler: Callable[[], None]) -> None:
         return
     leaves, _ = pytree.tree_flatten(output)
     tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-    if tensors:
-        torch.autograd.graph.register_multi_grad_hook(tensors, lambda _grads: handler(), mode="any")
+
+    def call(_grads: Any) -> None:  # returns None: the grad passes unchanged
+        handler()
+
+    if len(tensors) == 1:  # the usual case, and a plain tensor hook costs a fraction of a multi-grad one
+        tensors[0].register_hook(call)  # type: ignore[no-untyped-call]
+    elif tensors:
+        torch.autograd.graph.register_multi_grad_hook(tensors, call, mode="any")
 
 
 def weak_method(owner: Any, name: str, *bound: Any) -> Callable[..., Any]:

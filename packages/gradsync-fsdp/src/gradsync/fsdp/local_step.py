@@ -6,20 +6,26 @@ against 15 ms for the toy GPT's AdamW). The shards' local tensors are views of t
 same step on them updates the same memory. :func:`local_tensors_for_step` lends the optimizer the local
 tensors (params, grads and state) for the duration of a step and gives the DTensors back after it, state
 created during the step included.
+
+``fully_shard_optimizer`` lends them around every step. An optimizer built by hand on the DTensor params
+(the fsdp2 API's users build torch's own, as with torch's ``fully_shard``) is adopted at its first step:
+a global pre-step hook wraps its later steps the same way, for torch's element-wise optimizers only (a
+matrix optimizer on the locals would see shards for whole matrices).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from gradsync.buffers.wrapper_claims import OWNER_ATTR
+from gradsync.buffers.wrapper_claims import OWNER_ATTR, owners_of
 
 from .ragged import RaggedDTensor
 from .step_tracking import OWNER
@@ -110,3 +116,49 @@ def watch_state_splits() -> None:
     stepped on gradsync's params directly, as with the fsdp2 API). Elsewhere nothing is registered."""
     if not SUBCLASS_DISPATCH:
         register_optimizer_step_post_hook(lambda optimizer, args, kwargs: split_state_as_params(optimizer))
+
+
+LENDING_ATTR = "_gradsync_steps_on_locals"
+"""Set on an optimizer whose steps already run within :func:`local_tensors_for_step`."""
+
+ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.ASGD,
+)
+"""torch's optimizers whose update of each element reads only that element's param, grad and state."""
+
+
+def step_on_local_tensors(optimizer: torch.optim.Optimizer) -> None:
+    """Wrap ``optimizer.step`` (whatever it is now: an LR scheduler may have wrapped it already) so each
+    step runs on the local tensors. A bound method, as LR schedulers built later expect."""
+    previous = optimizer.step
+
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        with local_tensors_for_step(self):
+            return previous(*args, **kwargs)
+
+    # the mark of a scheduler's wrapper stays visible, or the scheduler warns that step was replaced
+    step.__dict__.update(getattr(previous, "__dict__", {}))
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+    setattr(optimizer, LENDING_ATTR, True)
+
+
+def _adopt(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if getattr(optimizer, LENDING_ATTR, False) or type(optimizer) not in ELEMENTWISE:
+        return
+    if owners_of(optimizer, OWNER):  # it steps MegatronFSDP's params: from its next step on
+        step_on_local_tensors(optimizer)
+
+
+@functools.cache
+def adopt_hand_built_optimizers() -> None:
+    """Register :func:`_adopt` as a global pre-step hook (once per process)."""
+    register_optimizer_step_pre_hook(_adopt)

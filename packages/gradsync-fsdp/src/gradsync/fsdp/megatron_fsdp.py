@@ -63,10 +63,10 @@ from .hooks import (
 )
 from .hsdp import optimizer_placements, outer_replication
 from .lanes import gather_group
-from .local_step import watch_state_splits
+from .local_step import adopt_hand_built_optimizers, watch_state_splits
 from .meta_init import ParamInitFn, materialize, replace_meta_params
 from .mixed_precision import MixedPrecisionPolicy, policy_from_config
-from .optimizer_params import attach_grads, build_optimizer_params
+from .optimizer_params import OptimizerGrads, build_optimizer_params
 from .registration import ParamRegistry
 from .schedule import GatherSchedule, ReduceSchedule
 from .step_tracking import OWNER, watch_optimizer_steps
@@ -260,6 +260,9 @@ class MegatronFSDP(nn.Module):
         self._optimizer_params = [
             build_optimizer_params(b, self._mesh, self._placements) for b in self.buckets
         ]
+        self._optimizer_grads = [
+            OptimizerGrads(b, params) for b, params in zip(self.buckets, self._optimizer_params, strict=True)
+        ]
         self.sharded_param_of = {
             raw: dist_p
             for b, params in zip(self.buckets, self._optimizer_params, strict=True)
@@ -278,6 +281,7 @@ class MegatronFSDP(nn.Module):
         self._stepped = False  # an optimizer stepped the params since the last install
         watch_optimizer_steps()
         watch_state_splits()
+        adopt_hand_built_optimizers()
         self._registry = ParamRegistry(module, self.sharded_param_of)
         self._forwards_awaiting_backward = 0
         for meta_param, placeholder in (meta.params if meta is not None else {}).items():
@@ -319,7 +323,9 @@ class MegatronFSDP(nn.Module):
         self._in_backward = False
         self._grads_finished = False
         self.units_kept_after_forward: set[int] = set()  # ZeRO-3 units not released after their forward
-        set_state(module, TrainingState.IDLE)
+        self._all_modules = list(module.modules())
+        self._modules_of_unit = [list(unit.modules()) for unit in self.units]
+        set_state(self._all_modules, TrainingState.IDLE)
         self._register_hooks()
         self._replace_param_with_distributed_if_needed()
 
@@ -502,8 +508,9 @@ class MegatronFSDP(nn.Module):
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         recomputing = get_state(unit) is TrainingState.PRE_BACKWARD
         if not recomputing:
-            set_state(unit, TrainingState.FORWARD)
-        self._gathers.gather_unit(unit_id, prefetch=None if recomputing else unit_id + 1)
+            set_state(self._modules_of_unit[unit_id], TrainingState.FORWARD)
+        if self.sharding.shard_main:  # no_shard's compute weights are never stale
+            self._gathers.gather_unit(unit_id, prefetch=None if recomputing else unit_id + 1)
         if self.sharding.shard_params:
             return attach_post_backward(args, kwargs, functools.partial(self._unit_post_backward, unit_id))
         return None
@@ -527,7 +534,7 @@ class MegatronFSDP(nn.Module):
         self._in_backward = True
         self._grads_finished = False
         self._grads_pending = self._backward_this_cycle = True
-        set_state(self.module, TrainingState.PRE_BACKWARD)
+        set_state(self._all_modules, TrainingState.PRE_BACKWARD)
         if self.sharding.shard_params:  # an earlier microbatch's backward may have released them
             for bucket in self._non_unit_buckets:
                 bucket.launch_gather()
@@ -536,11 +543,12 @@ class MegatronFSDP(nn.Module):
         torch.autograd.Variable._execution_engine.queue_callback(self._root_post_backward)
 
     def _unit_pre_backward(self, unit_id: int) -> None:
-        set_state(self.units[unit_id], TrainingState.PRE_BACKWARD)
-        self._gathers.gather_unit(unit_id, prefetch=unit_id - 1)
+        set_state(self._modules_of_unit[unit_id], TrainingState.PRE_BACKWARD)
+        if self.sharding.shard_main:
+            self._gathers.gather_unit(unit_id, prefetch=unit_id - 1)
 
     def _unit_post_backward(self, unit_id: int) -> None:
-        set_state(self.units[unit_id], TrainingState.POST_BACKWARD)
+        set_state(self._modules_of_unit[unit_id], TrainingState.POST_BACKWARD)
         for bucket in self._unit_buckets[unit_id]:
             bucket.release()
 
@@ -574,7 +582,7 @@ class MegatronFSDP(nn.Module):
         if self.sharding.shard_params:
             for bucket in self.buckets:
                 bucket.release()
-        set_state(self.module, TrainingState.IDLE)
+        set_state(self._all_modules, TrainingState.IDLE)
         self._in_backward = False
         self.microbatch_count += 1
         self._forwards_awaiting_backward = max(0, self._forwards_awaiting_backward - 1)
@@ -650,9 +658,11 @@ class MegatronFSDP(nn.Module):
 
     def attach_grad_to_optimizer_state(self) -> None:
         """Give the optimizer's params their reduced grads."""
-        for bucket, params in zip(self.buckets, self._optimizer_params, strict=True):
+        for bucket, grads, params in zip(
+            self.buckets, self._optimizer_grads, self._optimizer_params, strict=True
+        ):
             if bucket.spec.requires_grad:
-                attach_grads(bucket, params)
+                grads.attach(params)
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Every grad of the cycle reduced exactly once, then attached to the optimizer's params. Calling

@@ -103,18 +103,36 @@ def build_optimizer_params(
     return params
 
 
-def attach_grads(bucket: FlatParamBucket, params: list[nn.Parameter]) -> None:
-    """Give each optimizer param its reduced grad (a view when dtypes match, else a cast copy) on the
-    param's mesh and placements, an empty one where this rank owns no rows, as FSDP2's shards have."""
-    for index, param in enumerate(params):
-        local = bucket.grad_view(index)
-        if local is None or not param.requires_grad:
-            param.grad = None
-            continue
-        if local.dtype != param.dtype:
-            local = local.to(param.dtype)
-        if isinstance(param, RaggedDTensor):
-            param.grad = param.like(local)
-        else:
-            assert isinstance(param, DTensor)  # a Parameter over a DTensor
-            param.grad = as_dtensor(local, param.device_mesh, param.shape, param.placements)
+class OptimizerGrads:
+    """A bucket's optimizer params' grads, built once: the grad buffer is allocated at construction and
+    only ever zeroed, so each grad DTensor (with its spec) is built over it once, not every step.
+
+    A grad views the param's reduced rows of the buffer when the dtypes match, else a cast buffer of the
+    param's dtype that :meth:`attach` refreshes; it is empty where this rank owns no rows (every rank
+    holds a grad, as FSDP2's shards do, so torch's ops over all grads, ``clip_grad_norm_``, issue the same
+    collectives everywhere); None for params that take no grad."""
+
+    def __init__(self, bucket: FlatParamBucket, params: list[nn.Parameter]) -> None:
+        self.grads: list[DTensor | None] = []
+        self._casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (reduced rows, cast buffer)
+        for index, param in enumerate(params):
+            local = bucket.grad_view(index)
+            if local is None or not param.requires_grad:
+                self.grads.append(None)
+                continue
+            if local.dtype != param.dtype:
+                cast = torch.empty_like(local, dtype=param.dtype)
+                self._casts.append((local, cast))
+                local = cast
+            if isinstance(param, RaggedDTensor):
+                self.grads.append(param.like(local))
+            else:
+                assert isinstance(param, DTensor)  # a Parameter over a DTensor
+                self.grads.append(as_dtensor(local, param.device_mesh, param.shape, param.placements))
+
+    def attach(self, params: list[nn.Parameter]) -> None:
+        """Give each param its grad, the cast ones refreshed from the reduced rows."""
+        for reduced, cast in self._casts:
+            cast.copy_(reduced)
+        for param, grad in zip(params, self.grads, strict=True):
+            param.grad = grad

@@ -32,6 +32,7 @@ class GatherSchedule:
         self, unit_buckets: Sequence[Sequence[FlatParamBucket]], weights: BucketAllocator, prefetch_size: int
     ) -> None:
         self.unit_buckets = unit_buckets
+        self.unit_sizes = [sum(b.layout.size for b in buckets) for buckets in unit_buckets]
         self.weights = weights
         self.prefetch_size = prefetch_size  # 0 turns prefetch off
 
@@ -49,8 +50,7 @@ class GatherSchedule:
         backward), while they fit ``prefetch_size`` elements together."""
         budget = self.prefetch_size
         while unit_id is not None and 0 <= unit_id < len(self.unit_buckets):
-            buckets = self.unit_buckets[unit_id]
-            size = sum(b.layout.size for b in buckets)
+            buckets, size = self.unit_buckets[unit_id], self.unit_sizes[unit_id]
             if size > budget or not all(self.weights.can_allocate(b.bucket_id) for b in buckets):
                 return  # out of budget, or double buffers both held by units still in use
             for bucket in buckets:
@@ -104,8 +104,8 @@ class ReduceSchedule:
             self._reopen(bucket)
         if not bucket.can_take_grads():
             self.wait_until(bucket.can_take_grads)
-        with torch.no_grad():
-            bucket.accumulate(index, grad)
+        # a grad with history (create_graph=True) would record the buffer into the graph: add its data
+        bucket.accumulate(index, grad.detach() if grad.requires_grad else grad)
         ready = self._ready[bucket.bucket_id]
         ready.add(index)
         if len(ready) == len(bucket.spec.params):

@@ -16,10 +16,13 @@ the functions here take the tensor's device.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .torch_internals import default_group
 
 _UNDEFINED = "undefined"
 """What ``dist.get_backend`` reports for a group created without a backend: torch then resolves one per
@@ -205,6 +208,13 @@ def _backend_string(group: dist.ProcessGroup | None) -> str:
     return name
 
 
+_BY_GROUP: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str | None, BackendCapabilities]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Answers by group object (a group's backend never changes; a collective asks once per launch, and
+reading the backend off the group costs as much as a small collective's launch)."""
+
+
 def get_backend_capabilities(
     group: dist.ProcessGroup | None = None, device: torch.device | str | None = None
 ) -> BackendCapabilities:
@@ -215,7 +225,10 @@ def get_backend_capabilities(
     :func:`capabilities_of`).
     """
     device_type = None if device is None else torch.device(device).type
-    return capabilities_of(_backend_string(group), device_type)
+    known = _BY_GROUP.setdefault(default_group() if group is None else group, {})
+    if device_type not in known:
+        known[device_type] = capabilities_of(_backend_string(group), device_type)
+    return known[device_type]
 
 
 def default_backend(local_world_size: int = 1) -> str:

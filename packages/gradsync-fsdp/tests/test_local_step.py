@@ -1,0 +1,72 @@
+"""An optimizer built by hand on the fsdp2 API's params (torchtitan's loop: torch's AdamW and an LR scheduler
+made before the first step) steps on the shards' local tensors from its second step: the same weights
+as torch's own ``fully_shard`` stepping DTensors (fp32, 1e-6 relative), the scheduler still sees every
+step, and an optimizer torch does not know to be element-wise is left on the DTensors."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from fsdp_testkit import TinyTransformer, local_microbatches, max_relative_difference
+from torch.distributed.device_mesh import init_device_mesh
+
+from gradsync.fsdp import uneven_dtensor_to_full_tensor
+from gradsync.fsdp.local_step import LENDING_ATTR
+from gradsync.groups.testing import run_distributed, test_device
+
+STEPS = 3
+GRADSYNC, TORCH = "gradsync.fsdp.fsdp2", "torch.distributed.fsdp"
+TORCH_FSDP2_RUNS = test_device().type != "cpu" or hasattr(torch.cpu.Stream(), "record_event")
+
+
+class MomentumSGD(torch.optim.SGD):
+    """A subclass: it may change the update, so nothing may assume it is element-wise."""
+
+
+def hand_built_loop(api_name: str, optimizer_class: type[torch.optim.Optimizer]) -> dict[str, object]:
+    api = importlib.import_module(api_name)
+    mesh = init_device_mesh(test_device().type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    torch.manual_seed(0)
+    model = TinyTransformer().to(test_device())
+    for block in model.blocks:
+        api.fully_shard(block, mesh=mesh)
+    api.fully_shard(model, mesh=mesh)
+    optimizer = optimizer_class(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    adopted = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" among them
+        for step in range(STEPS):
+            (batch,) = local_microbatches(step, dist.get_rank(), dist.get_world_size(), 1)
+            model(batch).backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            adopted.append(bool(getattr(optimizer, LENDING_ATTR, False)))
+    weights = {n: uneven_dtensor_to_full_tensor(p).detach().cpu() for n, p in model.named_parameters()}
+    return {"weights": weights, "adopted": adopted, "lr": scheduler.get_last_lr()[0]}
+
+
+def adamw_against_torch() -> None:
+    ours = hand_built_loop(GRADSYNC, torch.optim.AdamW)
+    assert ours["adopted"] == [True] * STEPS  # adopted at the first step's start, lending from the second
+    assert ours["lr"] == pytest.approx(0.01 * 0.5**STEPS)
+    if TORCH_FSDP2_RUNS:
+        theirs = hand_built_loop(TORCH, torch.optim.AdamW)
+        assert max_relative_difference(ours["weights"], theirs["weights"]) <= 1e-6  # type: ignore[arg-type]
+
+
+def subclass_left_on_dtensors() -> None:
+    assert hand_built_loop(GRADSYNC, MomentumSGD)["adopted"] == [False] * STEPS
+
+
+def test_hand_built_adamw_steps_on_locals_and_matches_torch() -> None:
+    run_distributed(adamw_against_torch, 2)
+
+
+def test_an_optimizer_subclass_is_not_adopted() -> None:
+    run_distributed(subclass_left_on_dtensors, 2)
