@@ -81,10 +81,10 @@ PLANTS = [
     ),
     ("README.md", "(docs/planner.md)", "(docs/planer.md)", "no such file"),
     ("CONTRIBUTING.md", "(README.md#status)", "(README.md#state)", "no such heading"),
-    ("README.md", "Measured: commit 26c4866,", "Figures: commit 26c4866,", "figure '1.072x' without"),
+    ("README.md", "Measured: commit 57c8427,", "Figures: commit 57c8427,", "figure '4 MiB' without"),
     (
         "README.md",
-        "Measured: commit 26c4866,",
+        "Measured: commit 57c8427,",
         "Measured: commit 1234567,",
         "commit 1234567, not in this repository",
     ),
