@@ -271,7 +271,11 @@ def main() -> None:
     args = parser.parse_args()
     args.batch_per_rank, args.seq_len, args.d_model, args.n_layer = 8, 128, 256, 6  # bench_ab's model
     timed = argparse.Namespace(
-        nproc=args.nproc, steps=args.steps, repeats=args.repeats, systems=["floor", *args.systems]
+        nproc=args.nproc,
+        steps=args.steps,
+        repeats=args.repeats,
+        systems=["floor", *args.systems],
+        batch_per_rank=args.batch_per_rank,
     )
     times = summarise(run_repeats(timed, args.bucket_mb))
     print("step times (interleaved):", json.dumps({k: round(v["ratio"], 3) for k, v in times.items()}))
