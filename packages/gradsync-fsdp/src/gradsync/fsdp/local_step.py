@@ -119,7 +119,7 @@ def watch_state_splits() -> None:
 
 
 LENDING_ATTR = "_gradsync_steps_on_locals"
-"""Set on an optimizer whose steps already run within :func:`local_tensors_for_step`."""
+"""On an optimizer once decided: True when its steps run within :func:`local_tensors_for_step`."""
 
 ELEMENTWISE = (
     torch.optim.SGD,
@@ -152,10 +152,15 @@ def step_on_local_tensors(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _adopt(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if getattr(optimizer, LENDING_ATTR, False) or type(optimizer) not in ELEMENTWISE:
+    """Decided once per optimizer, at its first step: the hook runs before every step of every optimizer
+    in the process, and looking for owners walks all the params."""
+    if hasattr(optimizer, LENDING_ATTR):
         return
-    if owners_of(optimizer, OWNER):  # it steps MegatronFSDP's params: from its next step on
+    adopt = type(optimizer) in ELEMENTWISE and bool(owners_of(optimizer, OWNER))
+    if adopt:  # it steps MegatronFSDP's params: from its next step on
         step_on_local_tensors(optimizer)
+    else:
+        setattr(optimizer, LENDING_ATTR, False)
 
 
 @functools.cache
