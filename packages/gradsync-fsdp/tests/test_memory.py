@@ -16,11 +16,11 @@ WORLD = 4
 BYTES = 4
 
 
-def _elements(tensor: torch.Tensor | None) -> int:
-    """Elements of the storage behind ``tensor`` (0 when released)."""
-    if tensor is None:
-        return 0
-    return tensor.untyped_storage().nbytes() // tensor.element_size()
+def _elements(*tensors: torch.Tensor | None) -> int:
+    """Elements of the storages behind ``tensors`` (0 for released ones), each storage counted once:
+    coalesced buckets' grads share one (gradsync.fsdp.coalesce)."""
+    storages = {t.untyped_storage().data_ptr(): t for t in tensors if t is not None}
+    return sum(t.untyped_storage().nbytes() // t.element_size() for t in storages.values())
 
 
 def held_after_two_steps(strategy: str) -> dict[str, int]:
@@ -35,7 +35,7 @@ def held_after_two_steps(strategy: str) -> dict[str, int]:
     ]
     return {
         "params": sum(_elements(b.weight) + _elements(b.weight_shard) for b in model.buckets),
-        "grads": sum(_elements(b.grad) for b in model.buckets),
+        "grads": _elements(*(b.grad for b in model.buckets)),
         "momentum": sum(m._local_tensor.numel() if isinstance(m, DTensor) else m.numel() for m in momentum),
         "psi": sum(p.numel() for p in model.raw_param.values()),
         "padding": sum(b.layout.size - b.spec.numel for b in model.buckets),

@@ -94,29 +94,37 @@ def inputs(rank: int) -> torch.Tensor:
     return torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(rank)).to(test_device())
 
 
-def grads_with_a_rank_skipping_a_layer(strategy: str) -> list[torch.Tensor]:
+def grads_with_a_rank_skipping_a_layer(strategy: str, coalesced: bool) -> list[torch.Tensor]:
+    """``coalesced``: each layer a unit, their three buckets reduced as one group."""
     config = DistributedDataParallelConfig(
         use_megatron_fsdp=True,
         data_parallel_sharding_strategy=strategy,
         overlap_grad_reduce=True,
-        bucket_size=WIDTH * WIDTH + WIDTH,
+        bucket_size=None if coalesced else WIDTH * WIDTH + WIDTH,
     )
-    model = MegatronFSDP(SometimesUnused(), shard_index(), config)
+    units = [nn.Linear] if coalesced else None
+    model = MegatronFSDP(SometimesUnused(), shard_index(), config, fsdp_unit_modules=units)
     assert len(model.buckets) == 3
+    assert len(model._reductions.groups) == (1 if coalesced else 3)
     rank = dist.get_rank()
     model(inputs(rank), use_third=rank == 0).backward()
     model.finish_grad_sync()
-    return [p.grad.to_local().cpu() if p.grad is not None else torch.zeros(0) for p in model.parameters()]
+    return [p.grad.full_tensor().cpu() if p.grad is not None else torch.zeros(0) for p in model.parameters()]
 
 
-def test_reductions_pair_up_when_a_layer_gets_grads_on_one_rank_only() -> None:
+@pytest.mark.parametrize(
+    ("strategy", "coalesced"), [("no_shard", False), ("no_shard", True), ("optim", True)]
+)
+def test_reductions_pair_up_when_a_layer_gets_grads_on_one_rank_only(strategy: str, coalesced: bool) -> None:
     reference = SometimesUnused()
     for rank in range(2):
         (reference(inputs(rank), use_third=rank == 0) / 2).backward()
     want = [p.grad.cpu() for p in reference.parameters()]
-    for got in run_distributed(grads_with_a_rank_skipping_a_layer, 2, args=("no_shard",)):
+    for rank, got in enumerate(
+        run_distributed(grads_with_a_rank_skipping_a_layer, 2, args=(strategy, coalesced))
+    ):
         for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"rank {rank}")
 
 
 def backward_after_a_step_without_zeroing(strategy: str) -> str:

@@ -110,8 +110,11 @@ class FlatParamBucket:
         outer: OuterReplication | None = None,
         unset: Collection[torch.Tensor] = (),
         gather_group: dist.ProcessGroup | None = None,
+        grad_storage: torch.Tensor | None = None,
     ) -> None:
-        """``unset``: params without values yet (meta-device init); :meth:`write_param` sets them."""
+        """``unset``: params without values yet (meta-device init); :meth:`write_param` sets them.
+        ``grad_storage``: zeros to hold the persistent grads, a slice of a coalesced group's buffer
+        (:mod:`gradsync.fsdp.coalesce`); by default the bucket allocates its own."""
         self.bucket_id, self.spec, self.sharding, self.group = bucket_id, spec, sharding, group
         self.gather_group = group if gather_group is None else gather_group
         self.label = f"fsdp.bucket{bucket_id}"  # in telemetry
@@ -165,7 +168,9 @@ class FlatParamBucket:
         self._grad_items: list[torch.Tensor] = []  # no_shard / ZeRO-1: each param's view of self.grad
         if spec.requires_grad:
             lo, hi = self.grad_range
-            self.grad = torch.zeros(hi - lo, dtype=self.grad_dtype, device=device)
+            self.grad = grad_storage
+            if self.grad is None:
+                self.grad = torch.zeros(hi - lo, dtype=self.grad_dtype, device=device)
             if not sharding.shard_grads:
                 self._grad_items = [
                     self._item_view(self.grad, 0, item.offset, item.end, item.shape)
@@ -244,7 +249,7 @@ class FlatParamBucket:
             assert self.outer is not None
             assert self.weight_shard is not None
             self._outer_stale = False
-            self._record("all_gather", self.weight_shard, self.outer.group)
+            self.record("all_gather", self.weight_shard, self.outer.group)
             outer = all_gather_shards(
                 self.weight_shard, self.outer.group, cuts=self.outer_cuts, label=f"{self.label}.outer"
             )
@@ -256,7 +261,7 @@ class FlatParamBucket:
     def _gather_inner(self) -> Launched:
         if self.weight_shard is not None:
             self.weight[self.shard_lo : self.shard_hi].copy_(self.weight_shard)
-        self._record("all_gather", self.weight, self.gather_group)
+        self.record("all_gather", self.weight, self.gather_group)
         return all_gather_shards(self.weight, self.gather_group, cuts=self.inner_cuts, label=self.label)
 
     def wait_gather(self) -> None:
@@ -357,9 +362,25 @@ class FlatParamBucket:
             launched = reduce_scatter(
                 wire, self.group, average=reduction.average, cuts=self.inner_cuts, label=self.label
             )
-        launched.after.append(lambda: self._finish_reduce(wire))
-        self._record("all_reduce" if not self.sharding.shard_main else "reduce_scatter", wire, self.group)
+        launched.after.append(lambda: self.finish_reduce(wire))
+        self.record("all_reduce" if not self.sharding.shard_main else "reduce_scatter", wire, self.group)
         return launched
+
+    def finish_reduce_shard(self, shard: torch.Tensor) -> None:
+        """Land this rank's reduced shard (a coalesced reduce-scatter's piece) in the grad buffer."""
+        assert self.grad is not None
+        if self.sharding.shard_grads:
+            self.grad.add_(shard)
+            self._drop_unreduced()
+        else:
+            self.grad[self.shard_lo : self.shard_hi].copy_(shard)
+        if self.outer is None:
+            self._add_back_reduced()
+
+    def unreduced_grads(self) -> torch.Tensor:
+        """This backward's whole-bucket grads: the temporary buffer (ZeRO-2/3) or the grad buffer."""
+        assert self.grad is not None
+        return self._unreduced_grads() if self.sharding.shard_grads else self.grad
 
     def _unreduced_grads(self) -> torch.Tensor:
         """ZeRO-2/3: this backward's whole-bucket grads, zeroed when first asked for."""
@@ -376,7 +397,8 @@ class FlatParamBucket:
             self._unreduced = None
             self.allocators.grads.free(self.bucket_id)
 
-    def _finish_reduce(self, wire: torch.Tensor) -> None:
+    def finish_reduce(self, wire: torch.Tensor) -> None:
+        """Land the reduced ``wire`` (this bucket's grads on the wire) in the grad buffer."""
         assert self.grad is not None
         if self.sharding.shard_grads:
             self.grad.add_(wire[self.shard_lo : self.shard_hi])
@@ -432,10 +454,11 @@ class FlatParamBucket:
 
             launched.after.append(copy_back)
         launched.after.append(self._add_back_reduced)
-        self._record("reduce_scatter" if self.outer.shard else "all_reduce", wire, self.outer.group)
+        self.record("reduce_scatter" if self.outer.shard else "all_reduce", wire, self.outer.group)
         return launched
 
-    def _record(self, op: str, payload: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def record(self, op: str, payload: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Account one collective of this bucket in its step's :class:`CommStats`."""
         self.stats.begin(op, payload.numel() * payload.element_size(), group.size(), payload.device)
 
     def grad_view(self, index: int) -> torch.Tensor | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -36,19 +37,6 @@ def _local(value: Any) -> Any:
     return value._local_tensor if isinstance(value, DTensor) else value
 
 
-def _local_param(param: torch.Tensor) -> torch.Tensor:
-    """``param``'s local tensor (the same object every step), with its grad and its owner's mark."""
-    if not isinstance(param, DTensor):
-        return param
-    local: torch.Tensor = param._local_tensor
-    local.grad = _local(param.grad)
-    for mark in (OWNER, OWNER_ATTR):  # the step hooks find the model through them
-        owner = getattr(param, mark, None)
-        if owner is not None:
-            setattr(local, mark, owner)
-    return local
-
-
 def _as_distributed(value: Any, param: DTensor, local: torch.Tensor) -> Any:
     """State the step created: per-element tensors become DTensors split like ``param`` (ragged too)."""
     if not (isinstance(value, torch.Tensor) and value.shape == local.shape and value.dim() > 0):
@@ -60,36 +48,107 @@ def _as_distributed(value: Any, param: DTensor, local: torch.Tensor) -> Any:
     )
 
 
+class _Lent:
+    """One DTensor param lent as its local tensor: the state dicts on both sides, kept between steps so
+    a step whose state the optimizer updated in place (Adam, SGD with momentum) rebuilds nothing."""
+
+    __slots__ = ("local", "local_state", "param", "state")
+
+    def __init__(self, param: DTensor) -> None:
+        self.param, self.local = param, param._local_tensor
+        for mark in (OWNER, OWNER_ATTR):  # the step hooks find the model through them
+            owner = getattr(param, mark, None)
+            if owner is not None:
+                setattr(self.local, mark, owner)
+        self.state: dict[str, Any] = {}  # the param's state as the optimizer holds it between steps
+        self.local_state: dict[str, Any] = {}  # the same, locals, as lent in the last step
+
+    def lend(self, optimizer: torch.optim.Optimizer) -> None:
+        grad = self.param.grad
+        local_grad = grad._local_tensor if isinstance(grad, DTensor) else grad
+        if self.local.grad is not local_grad:
+            self.local.grad = local_grad
+        state = optimizer.state.pop(self.param, None)
+        if state is None:
+            self.state, self.local_state = {}, {}
+            return
+        if (
+            state is not self.state
+            or len(state) != len(self.local_state)
+            or any(_local(value) is not self.local_state.get(key) for key, value in state.items())
+        ):
+            self.state, self.local_state = state, {key: _local(value) for key, value in state.items()}
+        optimizer.state[self.local] = self.local_state
+
+    def give_back(self, optimizer: torch.optim.Optimizer) -> None:
+        local_state = optimizer.state.pop(self.local, None)
+        if local_state is not None:
+            if local_state is not self.local_state:  # created by the step
+                self.state, self.local_state = {}, local_state
+            for key, value in local_state.items():
+                if _local(self.state.get(key)) is not value:  # created or replaced by the step
+                    self.state[key] = _as_distributed(value, self.param, self.local)
+        if self.state:
+            optimizer.state[self.param] = self.state
+
+
+class _Lending:
+    """What a step on ``optimizer`` lends: per param group with DTensors, the group, its params and their
+    locals. Built once; rebuilt when a group's params are no longer the ones it was built for."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.groups: list[tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]] = []
+        lent: dict[int, _Lent] = {}
+        for group in optimizer.param_groups:
+            originals = group["params"]
+            if any(isinstance(p, DTensor) for p in originals):
+                for param in originals:
+                    if isinstance(param, DTensor) and id(param) not in lent:
+                        lent[id(param)] = _Lent(param)
+                locals_ = [lent[id(p)].local if isinstance(p, DTensor) else p for p in originals]
+                self.groups.append((group, list(originals), locals_))
+        self.lent = list(lent.values())
+        self.shape = self._shape(optimizer)
+
+    @staticmethod
+    def _shape(optimizer: torch.optim.Optimizer) -> list[int]:
+        return [id(group["params"]) for group in optimizer.param_groups]
+
+    def current(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer still holds exactly these params, with these local tensors."""
+        return (
+            self._shape(optimizer) == self.shape
+            and all(
+                len(group["params"]) == len(params) and all(map(operator.is_, group["params"], params))
+                for group, params, _ in self.groups
+            )
+            and all(lent.param._local_tensor is lent.local for lent in self.lent)
+        )
+
+
+_LENDING = "_gradsync_lending"
+
+
 @contextlib.contextmanager
 def local_tensors_for_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Within the block, ``optimizer`` holds the local tensors of its DTensor params, their grads and
     their state; after it (even on an error), the DTensors again, with any state the step added."""
-    groups: list[tuple[dict[str, Any], list[torch.Tensor]]] = []
-    lent: dict[int, tuple[DTensor, torch.Tensor, dict[str, Any]]] = {}  # by id: (param, local, state)
+    lending = optimizer.__dict__.get(_LENDING)
+    if lending is None or not lending.current(optimizer):
+        lending = _Lending(optimizer)
+        optimizer.__dict__[_LENDING] = lending
+    originals = [group["params"] for group, _, _ in lending.groups]
     try:
-        for group in optimizer.param_groups:
-            originals = group["params"]
-            if not any(isinstance(p, DTensor) for p in originals):
-                continue
-            group["params"] = [_local_param(p) for p in originals]
-            groups.append((group, originals))
-            for param, local in zip(originals, group["params"], strict=True):
-                if isinstance(param, DTensor) and id(param) not in lent:
-                    state = optimizer.state.pop(param, {})
-                    lent[id(param)] = (param, local, state)
-                    if state:
-                        optimizer.state[local] = {key: _local(value) for key, value in state.items()}
+        for lent in lending.lent:
+            lent.lend(optimizer)
+        for group, _, locals_ in lending.groups:
+            group["params"] = locals_
         yield
     finally:
-        for group, originals in groups:
-            group["params"] = originals
-        for param, local, state in lent.values():
-            local.grad = None
-            for key, value in optimizer.state.pop(local, {}).items():
-                if _local(state.get(key)) is not value:  # created or replaced by the step
-                    state[key] = _as_distributed(value, param, local)
-            if state:
-                optimizer.state[param] = state
+        for (group, _, _), params in zip(lending.groups, originals, strict=True):
+            group["params"] = params
+        for lent in lending.lent:
+            lent.give_back(optimizer)
 
 
 def split_state_as_params(optimizer: torch.optim.Optimizer) -> None:

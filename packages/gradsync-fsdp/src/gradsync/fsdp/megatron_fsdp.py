@@ -30,6 +30,7 @@ from gradsync.buffers import (
     as_ddp_config,
     broadcast_from_first_rank,
     check_params_match_across_ranks,
+    effective_bucket_size,
     gradient_scaling_factors,
     is_expert_parallel,
     settings_of,
@@ -48,9 +49,10 @@ from gradsync.buffers.wrapper_claims import (
 from gradsync.groups import FSDPDistributedIndex
 
 from .allocator_choice import choose_allocators
-from .allocators import AllocatorStats
+from .allocators import AllocatorStats, DoubleBufferAllocator
 from .bucket import BucketStatus, FlatParamBucket, GradReduction, PrefetchOrder, bucket_layout
 from .checkpoint import load_param, param_keys
+from .coalesce import ReductionGroup, grad_storage, plan_reduction_groups
 from .communication_unit import communication_unit_size, prefetch_size
 from .dcp import FIRST_ROW, describe_shard
 from .hooks import (
@@ -223,6 +225,23 @@ class MegatronFSDP(nn.Module):
         self.allocators, self.nccl_ub_pool = choose_allocators(
             ddp_config, specs, layouts, self.mp_policy, comm_groups, self.device
         )
+        reduction_groups = plan_reduction_groups(
+            specs,
+            layouts,
+            self.sharding,
+            self.mp_policy,
+            hsdp=self.outer is not None,
+            pooled_grads=isinstance(self.allocators.grads, DoubleBufferAllocator),
+            bucket_size=effective_bucket_size(
+                ddp_config,
+                group.size(),
+                total_params=sum(layout.size for layout in layouts),
+                single_bucket=disable_bucketing,
+            ),
+        )
+        group_grads, grad_slices = grad_storage(
+            reduction_groups, layouts, specs, self.sharding, self.mp_policy, self.device
+        )
         self.buckets = [
             FlatParamBucket(
                 i,
@@ -235,6 +254,7 @@ class MegatronFSDP(nn.Module):
                 self.outer,
                 unset,
                 gather_group=self.gather_group,
+                grad_storage=grad_slices.get(i),
             )
             for i, spec in enumerate(specs)
         ]
@@ -312,6 +332,10 @@ class MegatronFSDP(nn.Module):
             self._grad_norms = LocalGradNorms(len(self.buckets), self.device)
         self._reductions = ReduceSchedule(
             self.buckets,
+            [
+                ReductionGroup([self.buckets[i] for i in members], grads)
+                for members, grads in zip(reduction_groups, group_grads, strict=True)
+            ],
             self.sharding,
             self.outer,
             self._reduction,

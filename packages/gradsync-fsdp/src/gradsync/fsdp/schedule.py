@@ -3,9 +3,10 @@
 :class:`GatherSchedule` gathers a unit's buckets and prefetches the next units in forward or backward
 order within a budget of elements. :class:`ReduceSchedule` counts each bucket's grads as they arrive,
 launches its reduction when the last one lands (or defers it to the end of the cycle: ``no_shard`` and
-``optim`` reduce once per cycle), bounds the reductions in flight, chains HSDP's outer stage to the
-inner one (:func:`~gradsync.buffers.collectives.chain`), and reopens a bucket reduced earlier in the
-cycle when more grads arrive (accumulation without ``no_sync()``). The wrapper decides *what* happens in
+``optim`` reduce once per cycle), reduces buckets grouped by :mod:`gradsync.fsdp.coalesce` in one
+collective, bounds the reductions in flight, chains HSDP's outer stage to the inner one
+(:func:`~gradsync.buffers.collectives.chain`), and reopens a bucket reduced earlier in the cycle when
+more grads arrive (accumulation without ``no_sync()``). The wrapper decides *what* happens in
 its hooks; these two decide *when* it communicates.
 """
 
@@ -21,6 +22,7 @@ from gradsync.buffers.grad_checks import LocalGradNorms
 
 from .allocators import BucketAllocator
 from .bucket import FlatParamBucket, GradReduction
+from .coalesce import ReductionGroup
 from .hsdp import OuterReplication
 from .strategy import Sharding
 
@@ -63,12 +65,14 @@ class ReduceSchedule:
     """The grad reductions of ``buckets``: readiness, deferral to the cycle's end, the queue in flight.
 
     ``cycle_ends()`` says whether the running backward is the cycle's last (``is_last_microbatch`` or
-    auto-sync): the once-per-cycle reductions and HSDP's outer stage run in it.
+    auto-sync): the once-per-cycle reductions and HSDP's outer stage run in it. ``groups``: the buckets'
+    reduction groups, consecutive in bucket order (by default each bucket alone).
     """
 
     def __init__(
         self,
         buckets: Sequence[FlatParamBucket],
+        groups: Sequence[ReductionGroup] | None,
         sharding: Sharding,
         outer: OuterReplication | None,
         reduction: GradReduction,
@@ -79,6 +83,8 @@ class ReduceSchedule:
         queue_capacity: int,
     ) -> None:
         self.buckets = buckets
+        self.groups = list(groups) if groups is not None else [ReductionGroup([b]) for b in buckets]
+        self.group_of = {b.bucket_id: group for group in self.groups for b in group.buckets}
         self.sharding, self.outer, self.reduction = sharding, outer, reduction
         self.overlap, self.grad_norms, self.cycle_ends = overlap, grad_norms, cycle_ends
         self.queue_capacity = queue_capacity  # elements in flight before the oldest is waited for
@@ -94,6 +100,7 @@ class ReduceSchedule:
         self._launch_order = [b.bucket_id for b in reversed(buckets) if b.spec.requires_grad]
         self._next_launch = 0
         self._launchable: set[int] = set()
+        self._staged: set[int] = set()  # popped in launch order, their group's other buckets not yet
         self.stepped = False  # an optimizer stepped since the last new_cycle(): grads must not arrive
 
     # --- grads arriving ------------------------------------------------------------------------------
@@ -101,7 +108,7 @@ class ReduceSchedule:
         """Accumulate item ``index``'s grad of this backward; reduce the bucket once it is complete."""
         self._refuse_after_step()
         if bucket.bucket_id in self._reduced_this_cycle:
-            self._reopen(bucket)
+            self._reopen(self.group_of[bucket.bucket_id])
         if not bucket.can_take_grads():
             self.wait_until(bucket.can_take_grads)
         # a grad with history (create_graph=True) would record the buffer into the graph: add its data
@@ -120,7 +127,7 @@ class ReduceSchedule:
             if not bucket.spec.requires_grad or bucket.bucket_id in self._completed:
                 continue
             if bucket.bucket_id in self._reduced_this_cycle:
-                self._reopen(bucket)
+                self._reopen(self.group_of[bucket.bucket_id])
             self._complete(bucket)
         self._completed.clear()
         self._next_launch = 0
@@ -135,13 +142,14 @@ class ReduceSchedule:
                 "fully_shard) before the next step's first backward"
             )
 
-    def _reopen(self, bucket: FlatParamBucket) -> None:
+    def _reopen(self, group: ReductionGroup) -> None:
         """Accumulation after the cycle's final reduction (every microbatch synced, as torch DDP and FSDP2
-        users write it): the bucket is reduced again, and the reduced grads are summed. Correct for every
-        strategy; ``no_sync()`` saves the extra reductions."""
+        users write it): the group's buckets are reduced again, and the reduced grads are summed. Correct
+        for every strategy; ``no_sync()`` saves the extra reductions."""
         self.wait_all()  # its last reduction must have landed before its grads are set aside
-        bucket.set_aside_reduced()
-        self._reduced_this_cycle.discard(bucket.bucket_id)
+        for bucket in group.buckets:
+            bucket.set_aside_reduced()
+            self._reduced_this_cycle.discard(bucket.bucket_id)
 
     def _complete(self, bucket: FlatParamBucket) -> None:
         self._ready[bucket.bucket_id] = set()
@@ -154,26 +162,32 @@ class ReduceSchedule:
                     return  # an earlier bucket in the launch order is still waiting for grads
                 self._launchable.discard(bucket_id)
                 self._next_launch += 1
-                self.launch(self.buckets[bucket_id])
+                self._staged.add(bucket_id)
+                group = self.group_of[bucket_id]
+                if self._staged.issuperset(group.bucket_ids):  # its last bucket in launch order
+                    self._staged.difference_update(group.bucket_ids)
+                    self.launch(group)
         else:
             self._pending.add(bucket.bucket_id)
 
     # --- launching -----------------------------------------------------------------------------------
-    def launch(self, bucket: FlatParamBucket) -> None:
-        """Launch ``bucket``'s reduction over the shard group, and the outer stage after it when it ends
-        the cycle (HSDP; ZeRO-2/3 accumulate in the shard until then)."""
-        self._pending.discard(bucket.bucket_id)
+    def launch(self, group: ReductionGroup) -> None:
+        """Launch ``group``'s reduction over the shard group, and the outer stage after it when it ends
+        the cycle (HSDP, whose buckets reduce alone; ZeRO-2/3 accumulate in the shard until then)."""
+        self._pending.difference_update(group.bucket_ids)
         ends_cycle = not self.sharding.shard_grads or self.cycle_ends()
         if ends_cycle and (self.outer is not None or not self.sharding.shard_grads):
-            self._reduced_this_cycle.add(bucket.bucket_id)
-        self.wait_until(bucket.can_take_grads)  # a bucket without grads needs a buffer now
-        elements = bucket.layout.size
+            self._reduced_this_cycle.update(group.bucket_ids)
+        for member in group.buckets:
+            self.wait_until(member.can_take_grads)  # a bucket without grads needs a buffer now
+        elements = group.size
         if self.sharding.shard_grads:  # bound the temporary whole-bucket grads in flight; persistent
             # grad buffers (no_shard, optim) cost nothing more in flight, and a wait would stall the backward
             while self.in_flight and sum(n for _, n in self.in_flight) + elements > self.queue_capacity:
                 self.in_flight.pop(0)[0].wait()
-        launched = bucket.launch_reduce(self.reduction, self.grad_norms)
+        launched = group.launch_reduce(self.reduction, self.grad_norms)
         if self.outer is not None:
+            (bucket,) = group.buckets
             if ends_cycle:
                 self._outer_pending.discard(bucket.bucket_id)
                 launched = chain(
@@ -191,9 +205,9 @@ class ReduceSchedule:
     def launch_deferred(self) -> None:
         """The reductions waiting for the end of the cycle (no_shard / optim), and HSDP's outer stages of
         ZeRO-2/3 buckets whose last backward ran under no_sync()."""
-        for bucket in self.buckets:
-            if bucket.bucket_id in self._pending:
-                self.launch(bucket)
+        for group in self.groups:
+            if self._pending.intersection(group.bucket_ids):  # all of them: they complete together
+                self.launch(group)
         if self._outer_pending:
             self.wait_all()
             for bucket_id in sorted(self._outer_pending):
@@ -219,6 +233,7 @@ class ReduceSchedule:
         self._pending.clear()
         self._outer_pending.clear()
         self._launchable.clear()
+        self._staged.clear()
         self._next_launch = 0
         self.stepped = False
 
