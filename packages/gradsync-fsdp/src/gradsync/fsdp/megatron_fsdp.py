@@ -326,6 +326,7 @@ class MegatronFSDP(nn.Module):
             self._unit_buckets,
             self.allocators.weights,
             prefetch_size(ddp_config, self.sharding.shard_params, self.suggested_communication_unit_size),
+            weights_stay_whole=not self.sharding.shard_params,
         )
         self._grad_norms = None  # the NaN check's local norms, read once per cycle at finish_grad_sync
         if ddp_config.check_for_nan_in_grad or report_nan_in_param_grad:
@@ -549,7 +550,8 @@ class MegatronFSDP(nn.Module):
         if self.sharding.shard_params and not recomputing and not needed_next:
             for bucket in self._unit_buckets[unit_id]:
                 bucket.release()
-        on_first_output_grad(output, functools.partial(self._unit_pre_backward, unit_id))
+        if self.sharding.shard_params:  # weights kept whole since the forward need nothing before backward
+            on_first_output_grad(output, functools.partial(self._unit_pre_backward, unit_id))
 
     # --- backward ----------------------------------------------------------------------------------
     def _root_pre_backward(self) -> None:
@@ -567,9 +569,9 @@ class MegatronFSDP(nn.Module):
         torch.autograd.Variable._execution_engine.queue_callback(self._root_post_backward)
 
     def _unit_pre_backward(self, unit_id: int) -> None:
+        """ZeRO-3: gather the unit (its backward is next) and prefetch the ones before it."""
         set_state(self._modules_of_unit[unit_id], TrainingState.PRE_BACKWARD)
-        if self.sharding.shard_main:
-            self._gathers.gather_unit(unit_id, prefetch=unit_id - 1)
+        self._gathers.gather_unit(unit_id, prefetch=unit_id - 1)
 
     def _unit_post_backward(self, unit_id: int) -> None:
         set_state(self._modules_of_unit[unit_id], TrainingState.POST_BACKWARD)

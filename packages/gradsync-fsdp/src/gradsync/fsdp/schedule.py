@@ -21,7 +21,7 @@ from gradsync.buffers.collectives import Launched, chain
 from gradsync.buffers.grad_checks import LocalGradNorms
 
 from .allocators import BucketAllocator
-from .bucket import FlatParamBucket, GradReduction
+from .bucket import BucketStatus, FlatParamBucket, GradReduction
 from .coalesce import ReductionGroup
 from .hsdp import OuterReplication
 from .strategy import Sharding
@@ -31,10 +31,21 @@ class GatherSchedule:
     """Gathers of the units' buckets, with prefetch of whole units within ``prefetch_size`` elements."""
 
     def __init__(
-        self, unit_buckets: Sequence[Sequence[FlatParamBucket]], weights: BucketAllocator, prefetch_size: int
+        self,
+        unit_buckets: Sequence[Sequence[FlatParamBucket]],
+        weights: BucketAllocator,
+        prefetch_size: int,
+        *,
+        weights_stay_whole: bool = False,
     ) -> None:
+        """``weights_stay_whole``: ZeRO-1/2, whose compute weights all go stale together (an optimizer
+        step) and are never released. With a budget for every unit, a prefetch that meets a unit already
+        gathered or in flight then follows an earlier prefetch that launched all the rest: it stops
+        there instead of walking the remaining units again (quadratic in the units per forward)."""
         self.unit_buckets = unit_buckets
+        self.weights_stay_whole = weights_stay_whole
         self.unit_sizes = [sum(b.layout.size for b in buckets) for buckets in unit_buckets]
+        self.total_size = sum(self.unit_sizes)
         self.weights = weights
         self.prefetch_size = prefetch_size  # 0 turns prefetch off
 
@@ -51,8 +62,11 @@ class GatherSchedule:
         """Start gathering whole units from ``unit_id`` on, in ``direction`` (+1: forward order, -1:
         backward), while they fit ``prefetch_size`` elements together."""
         budget = self.prefetch_size
+        unbounded_run = self.weights_stay_whole and budget >= self.total_size
         while unit_id is not None and 0 <= unit_id < len(self.unit_buckets):
             buckets, size = self.unit_buckets[unit_id], self.unit_sizes[unit_id]
+            if unbounded_run and all(b.status is not BucketStatus.EMPTY for b in buckets):
+                return
             if size > budget or not all(self.weights.can_allocate(b.bucket_id) for b in buckets):
                 return  # out of budget, or double buffers both held by units still in use
             for bucket in buckets:
