@@ -3,7 +3,7 @@ per group of at most ``bucket_size`` elements (no_shard by an in-place all-reduc
 reduce-scatter of a rank-major wire); ZeRO-3, HSDP and double-buffered grads keep one per bucket. The
 reduced grads equal one process's on the global batch, in fp32 and bf16, whatever the grouping. (Training
 parity of every strategy with default sizes, which coalesce, is test_parity's; a unit without grads on one
-rank, test_schedules'.)"""
+rank, test_schedules'.) ZeRO-1/2 gather their weights after a step by one collective per group too."""
 
 from __future__ import annotations
 
@@ -12,10 +12,18 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_testkit import TinyTransformer, local_microbatches, wrap
+from fsdp_testkit import (
+    TinyTransformer,
+    Trainer,
+    local_microbatches,
+    max_relative_difference,
+    reference_training,
+    wrap,
+)
 
 from gradsync.buffers import collectives
-from gradsync.groups.testing import run_distributed
+from gradsync.groups import get_backend_capabilities
+from gradsync.groups.testing import run_distributed, test_device
 
 REDUCTIONS = {  # where gradsync's grad reductions call torch (collectives looks its reduce-scatter up late)
     dist: ("all_reduce", "reduce"),
@@ -112,3 +120,44 @@ def test_buckets_that_reduce_alone(strategy: str, config: dict[str, Any]) -> Non
     for members in run_distributed(groups_of, world, args=(strategy,), kwargs=config):
         assert len(members) > 1
         assert set(members) == {1}, members
+
+
+def gathers_after_a_step(strategy: str) -> tuple[int, int, int, dict[str, torch.Tensor]]:
+    """One training step, then a forward: the gather collectives it issued, the groups, the collectives
+    one gather takes here, and the compute weights it gathered."""
+    trainer = Trainer.build(strategy)
+    trainer.step(0, 1)
+    model = trainer.model
+    caps = get_backend_capabilities(model.gather_group, test_device())
+    per_gather = model.gather_group.size() if caps.all_gather_via_broadcasts else 1
+    calls = 0
+    originals = [(dist, "broadcast", dist.broadcast)]
+    originals.append((collectives, "dist_all_gather_func", collectives.dist_all_gather_func))
+
+    def counted(original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    for home, name, original in originals:
+        setattr(home, name, counted(original))
+    try:
+        with torch.no_grad():
+            model(local_microbatches(1, dist.get_rank(), dist.get_world_size(), 1)[0])
+    finally:
+        for home, name, original in originals:
+            setattr(home, name, original)
+    weights = {name: param.detach().cpu().clone() for name, param in model.raw_param.items()}
+    return calls, len(model._reductions.groups), per_gather, weights
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
+def test_zero12_weights_are_gathered_by_one_collective_per_group(strategy: str) -> None:
+    want = reference_training(2, 1, 1)
+    for calls, groups, per_gather, weights in run_distributed(gathers_after_a_step, 2, args=(strategy,)):
+        assert groups == 1
+        assert calls == per_gather
+        assert max_relative_difference(weights, want) <= 1e-6

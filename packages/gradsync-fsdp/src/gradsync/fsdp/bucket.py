@@ -13,7 +13,7 @@ themselves), so its in-place updates land in the buffer.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import Enum
 
@@ -181,6 +181,7 @@ class FlatParamBucket:
         self.status = BucketStatus.READY_TO_USE
         self.stats = CommStats()  # this step's collectives (bytes, spans), as gradsync-ddp's bucket groups
         self._gather: Launched | None = None
+        self.gather_together: Callable[[], bool] | None = None  # a coalesced group's (ZeRO-1/2)
         if sharding.shard_params:
             self.release()
 
@@ -240,9 +241,16 @@ class FlatParamBucket:
 
     # --- compute weights ---------------------------------------------------------------------------
     def launch_gather(self) -> None:
-        """Start filling the whole compute buffer from every rank's shard (no-op when it is current)."""
+        """Start filling the whole compute buffer from every rank's shard (no-op when it is current);
+        a bucket of a coalesced group (:attr:`gather_together`) has its group gather it."""
         if self.status is not BucketStatus.EMPTY:
             return
+        if self.gather_together is not None and self.gather_together():
+            return  # its group launched this bucket's gather, with the others' or alone
+        self.launch_gather_alone()
+
+    def launch_gather_alone(self) -> None:
+        """Start this bucket's own gather (it is stale)."""
         if self.weight_shard is not None:
             self._point_params_at(self.allocators.weights.allocate(self.bucket_id, self.weight_request))
         if self._outer_stale:  # outer optim, first gather after a step: the outer pieces first
@@ -256,6 +264,11 @@ class FlatParamBucket:
             self._gather = chain(outer, self._gather_inner, self.outer.group, self.device)
         else:
             self._gather = self._gather_inner()
+        self.status = BucketStatus.COMMUNICATING
+
+    def adopt_gather(self, launched: Launched) -> None:
+        """A group's gather fills this stale bucket too: waiting either waits the one collective."""
+        self._gather = launched
         self.status = BucketStatus.COMMUNICATING
 
     def _gather_inner(self) -> Launched:

@@ -8,7 +8,7 @@ reduces the same grads in one bucket). Buckets join a group, in bucket order, wh
 - the group stays within the bucket size gradsync-ddp would use (``bucket_size``, else ``num_buckets``,
   else its default; one group without ``overlap_grad_reduce``, which reduces everything at the end
   anyway), so a group's reduction overlaps the rest of the backward as a DDP bucket's does;
-- they share the grad and wire dtypes;
+- they share the weight, grad and wire dtypes;
 - the strategy keeps compute weights whole (not ZeRO-3: a group would hold more unreduced grads of
   units whose weights are already released), no HSDP outer stage follows (it chains per bucket), and
   ZeRO-2's temporary grads come from a dynamic allocator (a double buffer lends two units' buffers at a
@@ -19,6 +19,11 @@ reduce-scatter a wire laid out rank-major (every bucket's shard of rank 0, then 
 rank's part padded to the longest), so the one collective hands each rank its shard of every bucket, on
 any backend, ragged shards included.
 
+ZeRO-1/2 gather a group's weights after an optimizer step the same way: each rank's part of one
+all-gather holds its shard of every bucket, unpacked into the buckets when it is waited (one collective
+where each bucket would take its own; on gloo, one broadcast per rank where each bucket would take as
+many).
+
 A group launches when its last bucket in launch order completes (:class:`~gradsync.fsdp.schedule.
 ReduceSchedule`); it is reopened, set aside and reduced again as a whole.
 """
@@ -26,14 +31,15 @@ ReduceSchedule`); it is reopened, set aside and reduced again as a whole.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 
 import torch
 
-from gradsync.buffers.collectives import Launched, all_reduce, reduce_scatter
+from gradsync.buffers.collectives import Launched, all_gather_shards, all_reduce, reduce_scatter
 from gradsync.buffers.grad_checks import LocalGradNorms
 
-from .bucket import FlatParamBucket, GradReduction
+from .bucket import BucketStatus, FlatParamBucket, GradReduction
 from .layout import BucketLayout
 from .mixed_precision import MixedPrecisionPolicy
 from .strategy import Sharding
@@ -57,7 +63,7 @@ def plan_reduction_groups(
     groups: list[list[int]] = []
     size, key = 0, None
     for bucket_id, (spec, layout) in enumerate(zip(specs, layouts, strict=True)):
-        this = (policy.grad_dtype(spec.dtype), policy.comm_dtype(spec.dtype))
+        this = (spec.dtype, policy.grad_dtype(spec.dtype), policy.comm_dtype(spec.dtype))
         fits = groups and (bucket_size is None or size + layout.size <= bucket_size)
         if joinable and spec.requires_grad and this == key and fits:
             groups[-1].append(bucket_id)
@@ -102,6 +108,57 @@ class ReductionGroup:
         self.size = sum(b.layout.size for b in self.buckets)
         first, last = self.bucket_ids[0], self.bucket_ids[-1]
         self.label = f"fsdp.bucket{first}" if first == last else f"fsdp.bucket{first}-{last}"
+
+    def gathers_together(self) -> None:
+        """ZeRO-1/2 with 2+ buckets: route the members' gathers through :meth:`launch_gather`. The
+        buckets hold the group weakly (the schedule owns it), so a dropped wrapper is freed by reference
+        counting, as it is without groups."""
+        first = self.buckets[0]
+        if len(self.buckets) < 2 or not first.sharding.shard_main or first.sharding.shard_params:
+            return
+        launch = weakref.WeakMethod(self.launch_gather)
+
+        def gather() -> bool:
+            method = launch()
+            if method is None:
+                return False
+            method()
+            return True
+
+        for bucket in self.buckets:
+            bucket.gather_together = gather
+
+    def launch_gather(self) -> None:
+        """Refresh every member's weights with one all-gather of a rank-major wire, when all are stale
+        (they go stale together, at an optimizer step); otherwise each stale one gathers alone."""
+        stale = [b for b in self.buckets if b.status is BucketStatus.EMPTY]
+        if len(stale) < len(self.buckets):
+            for bucket in stale:
+                bucket.launch_gather_alone()
+            return
+        first = self.buckets[0]
+        group = first.gather_group
+        world, rank = group.size(), group.rank()
+        lengths = [sum(b.layout.cuts[r + 1] - b.layout.cuts[r] for b in self.buckets) for r in range(world)]
+        longest = max(lengths)
+        wire = first.weight.new_empty(world * longest)
+        own = [b.weight[b.layout.cuts[rank] : b.layout.cuts[rank + 1]] for b in self.buckets]
+        torch.cat(own, out=wire[rank * longest : rank * longest + lengths[rank]])
+        launched = all_gather_shards(wire, group, label=self.label)
+
+        def unpack() -> None:
+            for r in range(world):
+                if r == rank:
+                    continue
+                pieces = [b.weight[b.layout.cuts[r] : b.layout.cuts[r + 1]] for b in self.buckets]
+                part = wire[r * longest : r * longest + lengths[r]]
+                for piece, value in zip(pieces, torch.split(part, [p.numel() for p in pieces]), strict=True):
+                    piece.copy_(value)
+
+        launched.after.append(unpack)
+        for bucket in self.buckets:
+            bucket.adopt_gather(launched)
+            bucket.record("all_gather", bucket.weight, group)
 
     def launch_reduce(self, reduction: GradReduction, norms: LocalGradNorms | None) -> Launched:
         """Scale and reduce every bucket's grads (see each bucket's ``launch_reduce``)."""

@@ -331,12 +331,15 @@ class MegatronFSDP(nn.Module):
         self._grad_norms = None  # the NaN check's local norms, read once per cycle at finish_grad_sync
         if ddp_config.check_for_nan_in_grad or report_nan_in_param_grad:
             self._grad_norms = LocalGradNorms(len(self.buckets), self.device)
+        groups = [
+            ReductionGroup([self.buckets[i] for i in members], grads)
+            for members, grads in zip(reduction_groups, group_grads, strict=True)
+        ]
+        for coalesced in groups:
+            coalesced.gathers_together()
         self._reductions = ReduceSchedule(
             self.buckets,
-            [
-                ReductionGroup([self.buckets[i] for i in members], grads)
-                for members, grads in zip(reduction_groups, group_grads, strict=True)
-            ],
+            groups,
             self.sharding,
             self.outer,
             self._reduction,
