@@ -70,3 +70,32 @@ def test_hand_built_adamw_steps_on_locals_and_matches_torch() -> None:
 
 def test_an_optimizer_subclass_is_not_adopted() -> None:
     run_distributed(subclass_left_on_dtensors, 2)
+
+
+def adam_steps(reload_state: bool) -> dict[str, torch.Tensor]:
+    """Three steps of Megatron-FSDP's ``fully_shard`` with Adam; ``reload_state``: the optimizer's own
+    state dict loaded back after the first (new param-group dicts, the same param lists)."""
+    from fsdp_testkit import Block, full_weights
+
+    from gradsync.fsdp import fully_shard
+
+    module = TinyTransformer()
+    model, optimizer = fully_shard(
+        module, torch.optim.Adam(module.parameters(), lr=0.01), fsdp_unit_modules=[Block]
+    )
+    for step in range(STEPS):
+        (batch,) = local_microbatches(step, dist.get_rank(), dist.get_world_size(), 1)
+        model(batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if reload_state and step == 0:
+            optimizer.load_state_dict(optimizer.state_dict())
+    return full_weights(model)
+
+
+def test_a_reloaded_optimizer_state_keeps_stepping_on_locals() -> None:
+    """The lending plan follows the optimizer's param groups: a load_state_dict replaces them."""
+    plain = run_distributed(adam_steps, 2, args=(False,))
+    reloaded = run_distributed(adam_steps, 2, args=(True,))
+    for want, got in zip(plain, reloaded, strict=True):
+        assert max_relative_difference(got, want) == 0.0

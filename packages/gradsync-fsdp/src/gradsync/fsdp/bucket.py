@@ -380,7 +380,7 @@ class FlatParamBucket:
         return launched
 
     def finish_reduce_shard(self, shard: torch.Tensor) -> None:
-        """Land this rank's reduced shard (a coalesced reduce-scatter's piece) in the grad buffer."""
+        """Land this rank's reduced shard (a reduce-scatter's result) in the grad buffer."""
         assert self.grad is not None
         if self.sharding.shard_grads:
             self.grad.add_(shard)
@@ -414,9 +414,9 @@ class FlatParamBucket:
         """Land the reduced ``wire`` (this bucket's grads on the wire) in the grad buffer."""
         assert self.grad is not None
         if self.sharding.shard_grads:
-            self.grad.add_(wire[self.shard_lo : self.shard_hi])
-            self._drop_unreduced()
-        elif wire is not self.grad:
+            self.finish_reduce_shard(wire[self.shard_lo : self.shard_hi])
+            return
+        if wire is not self.grad:
             self.grad.copy_(wire)
         if self.outer is None:  # otherwise the outer stage ends the reduction
             self._add_back_reduced()

@@ -108,6 +108,16 @@ class ReductionGroup:
         self.size = sum(b.layout.size for b in self.buckets)
         first, last = self.bucket_ids[0], self.bucket_ids[-1]
         self.label = f"fsdp.bucket{first}" if first == last else f"fsdp.bucket{first}-{last}"
+        # the rank-major wire (sharded strategies): per rank, its pieces' sizes, then its part's length
+        cuts = [b.layout.cuts for b in self.buckets]
+        self.piece_sizes = [[c[r + 1] - c[r] for c in cuts] for r in range(len(cuts[0]) - 1)]
+        self.part_lengths = [sum(sizes) for sizes in self.piece_sizes]
+        self.part = max(self.part_lengths)  # each rank's part of the wire, padded to the longest
+
+    def _rank_pieces(self, tensors: Sequence[torch.Tensor], rank: int) -> list[torch.Tensor]:
+        """Each bucket's shard of ``rank`` in ``tensors`` (one whole-bucket tensor per bucket)."""
+        members = zip(self.buckets, tensors, strict=True)
+        return [t[b.layout.cuts[rank] : b.layout.cuts[rank + 1]] for b, t in members]
 
     def gathers_together(self) -> None:
         """ZeRO-1/2 with 2+ buckets: route the members' gathers through :meth:`launch_gather`. The
@@ -136,24 +146,21 @@ class ReductionGroup:
             for bucket in stale:
                 bucket.launch_gather_alone()
             return
-        first = self.buckets[0]
-        group = first.gather_group
-        world, rank = group.size(), group.rank()
-        lengths = [sum(b.layout.cuts[r + 1] - b.layout.cuts[r] for b in self.buckets) for r in range(world)]
-        longest = max(lengths)
-        wire = first.weight.new_empty(world * longest)
-        own = [b.weight[b.layout.cuts[rank] : b.layout.cuts[rank + 1]] for b in self.buckets]
-        torch.cat(own, out=wire[rank * longest : rank * longest + lengths[rank]])
+        group = self.buckets[0].gather_group
+        world, rank, part = group.size(), group.rank(), self.part
+        weights = [b.weight for b in self.buckets]
+        wire = weights[0].new_empty(world * part)
+        own = wire[rank * part : rank * part + self.part_lengths[rank]]
+        torch.cat(self._rank_pieces(weights, rank), out=own)
         launched = all_gather_shards(wire, group, label=self.label)
 
         def unpack() -> None:
             for r in range(world):
-                if r == rank:
-                    continue
-                pieces = [b.weight[b.layout.cuts[r] : b.layout.cuts[r + 1]] for b in self.buckets]
-                part = wire[r * longest : r * longest + lengths[r]]
-                for piece, value in zip(pieces, torch.split(part, [p.numel() for p in pieces]), strict=True):
-                    piece.copy_(value)
+                if r != rank:
+                    received = wire[r * part : r * part + self.part_lengths[r]]
+                    values = torch.split(received, self.piece_sizes[r])
+                    for piece, value in zip(self._rank_pieces(weights, r), values, strict=True):
+                        piece.copy_(value)
 
         launched.after.append(unpack)
         for bucket in self.buckets:
@@ -188,21 +195,21 @@ class ReductionGroup:
         """One reduce-scatter of a rank-major wire: this rank's part holds its shard of every bucket."""
         first = self.buckets[0]
         group = first.group
-        world, rank = group.size(), group.rank()
+        world, rank, part = group.size(), group.rank(), self.part
         grads = [b.unreduced_grads() for b in self.buckets]
-        members = list(zip(self.buckets, grads, strict=True))
-        parts = [[grad[b.layout.cuts[r] : b.layout.cuts[r + 1]] for b, grad in members] for r in range(world)]
-        lengths = [sum(piece.numel() for piece in part) for part in parts]
-        longest = max(lengths)
-        pad = [grads[0].new_zeros(longest - length) for length in lengths]
-        wire = torch.cat([piece for part, tail in zip(parts, pad, strict=True) for piece in (*part, tail)])
+        pieces: list[torch.Tensor] = []
+        for r in range(world):
+            pieces += self._rank_pieces(grads, r)
+            if self.part_lengths[r] < part:
+                pieces.append(grads[0].new_zeros(part - self.part_lengths[r]))
+        wire = torch.cat(pieces)
         if wire.dtype != first.comm_dtype:
             wire = wire.to(first.comm_dtype)
         if reduction.factor != 1.0:
             wire.mul_(reduction.factor)
         launched = reduce_scatter(wire, group, average=reduction.average, label=self.label)
-        mine = wire[rank * longest : rank * longest + lengths[rank]]
-        shards = torch.split(mine, [piece.numel() for piece in parts[rank]])
+        mine = wire[rank * part : rank * part + self.part_lengths[rank]]
+        shards = torch.split(mine, self.piece_sizes[rank])
         for bucket, grad, shard in zip(self.buckets, grads, shards, strict=True):
             launched.after.append(functools.partial(bucket.finish_reduce_shard, shard))
             bucket.record("reduce_scatter", grad, group)

@@ -111,13 +111,15 @@ class _Lending:
         self.shape = self._shape(optimizer)
 
     @staticmethod
-    def _shape(optimizer: torch.optim.Optimizer) -> list[int]:
-        return [id(group["params"]) for group in optimizer.param_groups]
+    def _shape(optimizer: torch.optim.Optimizer) -> list[Any]:
+        """The groups and their param lists: ``load_state_dict`` builds new groups over the same lists."""
+        return [item for group in optimizer.param_groups for item in (group, group["params"])]
 
     def current(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the optimizer still holds exactly these params, with these local tensors."""
         return (
-            self._shape(optimizer) == self.shape
+            all(map(operator.is_, self._shape(optimizer), self.shape))
+            and len(optimizer.param_groups) * 2 == len(self.shape)
             and all(
                 len(group["params"]) == len(params) and all(map(operator.is_, group["params"], params))
                 for group, params, _ in self.groups

@@ -80,13 +80,13 @@ class ReduceSchedule:
 
     ``cycle_ends()`` says whether the running backward is the cycle's last (``is_last_microbatch`` or
     auto-sync): the once-per-cycle reductions and HSDP's outer stage run in it. ``groups``: the buckets'
-    reduction groups, consecutive in bucket order (by default each bucket alone).
+    reduction groups, consecutive in bucket order (a bucket alone is a group of one).
     """
 
     def __init__(
         self,
         buckets: Sequence[FlatParamBucket],
-        groups: Sequence[ReductionGroup] | None,
+        groups: Sequence[ReductionGroup],
         sharding: Sharding,
         outer: OuterReplication | None,
         reduction: GradReduction,
@@ -97,7 +97,7 @@ class ReduceSchedule:
         queue_capacity: int,
     ) -> None:
         self.buckets = buckets
-        self.groups = list(groups) if groups is not None else [ReductionGroup([b]) for b in buckets]
+        self.groups = list(groups)
         self.group_of = {b.bucket_id: group for group in self.groups for b in group.buckets}
         self.sharding, self.outer, self.reduction = sharding, outer, reduction
         self.overlap, self.grad_norms, self.cycle_ends = overlap, grad_norms, cycle_ends
