@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_testkit import TinyTransformer, local_microbatches, max_relative_difference
+from fsdp_testkit import TinyTransformer, global_batch, local_microbatches, max_relative_difference
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from gradsync.fsdp import uneven_dtensor_to_full_tensor
 from gradsync.fsdp.local_step import LENDING_ATTR
@@ -99,3 +101,67 @@ def test_a_reloaded_optimizer_state_keeps_stepping_on_locals() -> None:
     reloaded = run_distributed(adam_steps, 2, args=(True,))
     for want, got in zip(plain, reloaded, strict=True):
         assert max_relative_difference(got, want) == 0.0
+
+
+SCALAR_STATE_OPTIMIZERS = ("Adam", "NAdam", "ASGD")  # step; NAdam's mu_product; ASGD's eta and mu
+
+
+def steps_with_empty_shards(optimizer_name: str) -> dict[str, Any]:
+    """Three steps of Megatron-FSDP's ``fully_shard`` (ZeRO-1: ragged shards, so at 4 ranks many params
+    have no elements on a rank) with two param groups, the second small enough to sit on one rank."""
+    from fsdp_testkit import Block, full_weights
+
+    from gradsync.fsdp import fully_shard
+
+    module = TinyTransformer()
+    alone = [module.blocks[1].norm.weight, module.blocks[1].norm.bias]
+    rest = [p for p in module.parameters() if all(p is not q for q in alone)]
+    optimizer_class = getattr(torch.optim, optimizer_name)
+    optimizer = optimizer_class([{"params": rest}, {"params": alone, "lr": 0.02}], lr=0.01)
+    model, optimizer = fully_shard(
+        module, optimizer, fsdp_unit_modules=[Block], zero_dp_strategy="optim", outer_dp_sharding_strategy=0
+    )
+    smallest: list[int] = []  # the fewest elements of a tensor the step was handed, in a group with some
+
+    def record_smallest(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        groups = [g["params"] for g in opt.param_groups if any(p.numel() for p in g["params"])]
+        smallest.append(min(p.numel() for params in groups for p in params))
+
+    optimizer.register_step_pre_hook(record_smallest)
+    for step in range(STEPS):  # the 4-rank global batch, split among the ranks
+        model(global_batch(step, 4, 1).chunk(dist.get_world_size())[dist.get_rank()]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    names = {id(p): name for name, p in model.named_parameters()}
+    state = {names[id(p)]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"]}
+    return {
+        "weights": full_weights(model),
+        "smallest": smallest,
+        "group_elements": [sum(p._local_tensor.numel() for p in g["params"]) for g in optimizer.param_groups],
+        "keys": {name: sorted(entries) for name, entries in state.items()},
+        "scalars": {
+            name: {key: float(value) for key, value in entries.items() if not isinstance(value, DTensor)}
+            for name, entries in state.items()
+        },
+    }
+
+
+def empty_shard_runs() -> dict[str, dict[str, Any]]:
+    return {name: steps_with_empty_shards(name) for name in SCALAR_STATE_OPTIMIZERS}
+
+
+def test_params_with_empty_shards_follow_their_group_and_keep_the_same_state() -> None:
+    """A param with no elements on a rank is not handed to the step where a param of its group with
+    elements is (the step's smallest tensor is not empty), yet its state equals every other rank's
+    (step counts, NAdam's mu_product, ASGD's eta and mu) and the weights match one process's; a group
+    with no elements on a rank is stepped there as it is."""
+    (single,) = run_distributed(empty_shard_runs, 1)
+    ranks = run_distributed(empty_shard_runs, 4)
+    for name in SCALAR_STATE_OPTIMIZERS:
+        runs = [run[name] for run in ranks]
+        assert any(0 in run["group_elements"] for run in runs)  # some rank holds none of the small group
+        for run in runs:
+            assert min(run["smallest"]) > 0
+            assert run["keys"] == single[name]["keys"]
+            assert run["scalars"] == single[name]["scalars"]
+            assert max_relative_difference(run["weights"], single[name]["weights"]) <= 1e-5
