@@ -237,14 +237,14 @@ def test_every_allocator_gives_bit_identical_training(zero3_runs: list[dict[str,
 
 def test_dynamic_allocators_allocate_per_unit_per_pass(zero3_runs: list[dict[str, dict[str, Any]]]) -> None:
     """Storage-resize weights: the non-unit bucket once per step, every unit in the forward and again in
-    the backward except the last (kept gathered into the backward); temporary grads: one per bucket."""
+    the backward except the last (kept gathered into the backward); storage-resize grads: one per bucket."""
     for rank in zero3_runs:
         run = rank["dynamic"]
         units, others = len(run["unit_weights"]), len(run["other_weights"])
         for counts in run["per_step"]:
             assert counts == {
                 "weights:storage_resize": others + 2 * units - 1,
-                "grads:temporary": len(run["unit_grads"]) + len(run["other_grads"]),
+                "grads:storage_resize": len(run["unit_grads"]) + len(run["other_grads"]),
             }
 
 
@@ -258,7 +258,7 @@ def test_dynamic_peaks_follow_the_schedule(zero3_runs: list[dict[str, dict[str, 
         unit, unit_grads = max(run["unit_weights"]), max(run["unit_grads"])
         in_flight = run["queue_capacity"] // run["unit_elements"]
         assert in_flight == 2
-        assert run["peak"]["grads:temporary"] == sum(run["other_grads"]) + (in_flight + 1) * unit_grads
+        assert run["peak"]["grads:storage_resize"] == sum(run["other_grads"]) + (in_flight + 1) * unit_grads
         assert run["eval_peak"]["weights:storage_resize"] == sum(run["other_weights"]) + 2 * unit
 
 
@@ -490,7 +490,7 @@ def test_fully_shard_takes_the_reference_allocator_keywords(strategy: int) -> No
     for kinds, same in run_distributed(fully_shard_keywords, 2, args=(strategy,)):
         assert same
         if strategy < 2:
-            assert kinds == {"weights:storage_resize", "grads:temporary"}
+            assert kinds == {"weights:storage_resize", "grads:storage_resize"}
         else:
             assert {"grads:max_pool_double_buffer", "grads:persistent"} <= kinds
             assert ("weights:max_pool_double_buffer" in kinds) == (strategy == 3)
@@ -558,7 +558,7 @@ def test_double_buffering_is_accepted_and_a_no_op_where_nothing_is_buffered(stra
     for rank in run_distributed(unbuffered_strategy_runs, 2, args=(strategy,)):
         plain, _ = rank["plain"]
         for name, (weights, stats) in rank.items():
-            assert stats == {"weights:storage_resize": 0, "grads:temporary": 0}, name
+            assert stats == {"weights:storage_resize": 0, "grads:storage_resize": 0}, name
             assert all(torch.equal(weights[k], plain[k]) for k in plain), name
 
 

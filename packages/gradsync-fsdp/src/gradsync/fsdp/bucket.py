@@ -25,7 +25,7 @@ from gradsync.buffers.grad_checks import LocalGradNorms
 from gradsync.buffers.shard_alignment import shard_alignment_of
 from gradsync.buffers.stats import CommStats
 
-from .allocators import BucketAllocator, BufferRequest, StorageResizeBucketAllocator, TemporaryBucketAllocator
+from .allocators import BucketAllocator, BufferRequest, StorageResizeBucketAllocator
 from .hsdp import OuterReplication
 from .layout import BucketLayout, ItemPlacement, compute_bucket_layout
 from .mixed_precision import MixedPrecisionPolicy
@@ -66,8 +66,9 @@ class BucketAllocators:
 
     @classmethod
     def dynamic(cls) -> BucketAllocators:
-        """The default: storage-resize for weights (params keep their views), temporary for grads."""
-        return cls(StorageResizeBucketAllocator(), TemporaryBucketAllocator())
+        """The default: storage-resize for weights (params keep their views) and for ZeRO-2/3's
+        whole-bucket grads (the hooks keep theirs)."""
+        return cls(StorageResizeBucketAllocator(), StorageResizeBucketAllocator())
 
 
 def bucket_layout(
@@ -163,6 +164,8 @@ class FlatParamBucket:
         self.comm_dtype = policy.comm_dtype(self.dtype)
         self.grad: torch.Tensor | None = None
         self._unreduced: torch.Tensor | None = None  # ZeRO-2/3: this backward's whole-bucket grads
+        self._unreduced_items: list[torch.Tensor | None] = []  # each param's view of it, built when used
+        self._unreduced_items_of: torch.Tensor | None = None  # the buffer those views are of
         self._reduced_earlier: torch.Tensor | None = None  # see set_aside_reduced
         self.non_finite_params: list[str] = []  # report_nan_in_param_grad: this rank's, in this cycle
         self._grad_items: list[torch.Tensor] = []  # no_shard / ZeRO-1: each param's view of self.grad
@@ -349,12 +352,22 @@ class FlatParamBucket:
     # --- grads -------------------------------------------------------------------------------------
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
         """Add one param's grad from this backward into the bucket."""
-        if self.sharding.shard_grads:  # this backward's buffer: it may come from an allocator each time
-            item = self.layout.items[index]
-            target = self._item_view(self._unreduced_grads(), 0, item.offset, item.end, item.shape)
-        else:
-            target = self._grad_items[index]
+        target = self._unreduced_item(index) if self.sharding.shard_grads else self._grad_items[index]
         target.add_(grad)
+
+    def _unreduced_item(self, index: int) -> torch.Tensor:
+        """Item ``index``'s view of this backward's whole-bucket grads. The views are kept while the
+        allocator lends the same tensor (the default storage-resize one does, every backward), so the
+        hook of a later backward adds into a kept view, as no_shard's and ZeRO-1's do."""
+        buffer = self._unreduced_grads()
+        if buffer is not self._unreduced_items_of:
+            self._unreduced_items_of, self._unreduced_items = buffer, [None] * len(self.layout.items)
+        view = self._unreduced_items[index]
+        if view is None:
+            item = self.layout.items[index]
+            view = self._item_view(buffer, 0, item.offset, item.end, item.shape)
+            self._unreduced_items[index] = view
+        return view
 
     def launch_reduce(self, reduction: GradReduction, norms: LocalGradNorms | None = None) -> Launched:
         """Scale and reduce this bucket's grads: reduce-scatter into the shard (ZeRO-1/2/3; ZeRO-2/3 add
