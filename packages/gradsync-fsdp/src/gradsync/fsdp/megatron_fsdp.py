@@ -64,6 +64,7 @@ from .hooks import (
     weak_method,
 )
 from .hsdp import optimizer_placements, outer_replication
+from .labels import labelled
 from .lanes import gather_group
 from .local_step import adopt_hand_built_optimizers, watch_state_splits
 from .meta_init import ParamInitFn, materialize, replace_meta_params
@@ -509,6 +510,7 @@ class MegatronFSDP(nn.Module):
         ]
         weakref.finalize(self, _detach_from_params, grad_hooks, list(self.param_to_name))
 
+    @labelled("root_pre_forward")
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         self._install_if_stepped()
         self._replace_param_with_raw_if_needed()
@@ -531,6 +533,7 @@ class MegatronFSDP(nn.Module):
         if not self._forwards_awaiting_backward:
             self._replace_param_with_distributed_if_needed()
 
+    @labelled("pre_forward")
     def _unit_pre_forward(
         self, unit_id: int, unit: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -543,6 +546,7 @@ class MegatronFSDP(nn.Module):
             return attach_post_backward(args, kwargs, functools.partial(self._unit_post_backward, unit_id))
         return None
 
+    @labelled("post_forward")
     def _unit_post_forward(self, unit_id: int, unit: nn.Module, args: Any, output: Any) -> None:
         """ZeRO-3 releases the unit, except during recomputation (its backward follows at once) and, when
         a backward will follow, for the last unit (backward starts with it) and ``units_kept_after_forward``
@@ -557,6 +561,7 @@ class MegatronFSDP(nn.Module):
             on_first_output_grad(output, functools.partial(self._unit_pre_backward, unit_id))
 
     # --- backward ----------------------------------------------------------------------------------
+    @labelled("root_pre_backward")
     def _root_pre_backward(self) -> None:
         if self._in_backward:
             return
@@ -571,11 +576,13 @@ class MegatronFSDP(nn.Module):
                 bucket.wait_gather()
         torch.autograd.Variable._execution_engine.queue_callback(self._root_post_backward)
 
+    @labelled("pre_backward")
     def _unit_pre_backward(self, unit_id: int) -> None:
         """ZeRO-3: gather the unit (its backward is next) and prefetch the ones before it."""
         set_state(self._modules_of_unit[unit_id], TrainingState.PRE_BACKWARD)
         self._gathers.gather_unit(unit_id, prefetch=unit_id - 1)
 
+    @labelled("post_backward")
     def _unit_post_backward(self, unit_id: int) -> None:
         set_state(self._modules_of_unit[unit_id], TrainingState.POST_BACKWARD)
         for bucket in self._unit_buckets[unit_id]:
@@ -603,6 +610,7 @@ class MegatronFSDP(nn.Module):
         """Whether this backward is the cycle's last: the once-per-cycle reductions run in it."""
         return self.is_last_microbatch or self.model_auto_sync
 
+    @labelled("root_post_backward")
     def _root_post_backward(self) -> None:
         """End of the backward: buckets some param of which got no grad on this rank complete, every
         reduction is waited (:meth:`ReduceSchedule.end_backward`), and ZeRO-3 drops every gathered
@@ -645,6 +653,7 @@ class MegatronFSDP(nn.Module):
             for bucket_id in buckets:
                 self.buckets[bucket_id].wait_gather()
 
+    @labelled("start_param_sync")
     def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
         """Start the gathers that bring the optimizer's update to every replica (ZeRO-1/2), or prefetch
         the first weights (ZeRO-3); wait for them when ``force_sync`` or ``overlap_param_gather`` is off.
@@ -676,6 +685,7 @@ class MegatronFSDP(nn.Module):
         self._replace_param_with_distributed_if_needed()
 
     # --- the step ----------------------------------------------------------------------------------
+    @labelled("start_grad_sync")
     def start_grad_sync(self, *unused: Any) -> None:
         """Reduce grads that wait for the end of the cycle (no_shard / optim, HSDP's outer stage)."""
         self._reductions.launch_deferred()
@@ -693,6 +703,7 @@ class MegatronFSDP(nn.Module):
             if bucket.spec.requires_grad:
                 grads.attach(params)
 
+    @labelled("finish_grad_sync")
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Every grad of the cycle reduced exactly once, then attached to the optimizer's params. Calling
         it again before the next backward changes nothing (finalize_model_grads may already have run
@@ -741,6 +752,7 @@ class MegatronFSDP(nn.Module):
                 if local is not None and local.untyped_storage().data_ptr() not in buffers:
                     local.mul_(scaling_factor)
 
+    @labelled("zero_grad_buffer")
     def zero_grad_buffer(self) -> None:
         """Zero the grad buffers and drop the optimizer params' grads; call once per optimizer step."""
         self._reductions.new_cycle()

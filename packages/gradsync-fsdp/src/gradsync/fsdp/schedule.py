@@ -24,6 +24,7 @@ from .allocators import BucketAllocator
 from .bucket import BucketStatus, FlatParamBucket, GradReduction
 from .coalesce import ReductionGroup
 from .hsdp import OuterReplication
+from .labels import labelled
 from .strategy import Sharding
 
 
@@ -185,6 +186,7 @@ class ReduceSchedule:
             self._pending.add(bucket.bucket_id)
 
     # --- launching -----------------------------------------------------------------------------------
+    @labelled("reduce")
     def launch(self, group: ReductionGroup) -> None:
         """Launch ``group``'s reduction over the shard group, and the outer stage after it when it ends
         the cycle (HSDP, whose buckets reduce alone; ZeRO-2/3 accumulate in the shard until then)."""
