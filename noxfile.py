@@ -335,6 +335,15 @@ def bench_launch(session: nox.Session) -> None:
     session.run("python", str(ROOT / "benchmarks" / "bench_launch.py"), *session.posargs)
 
 
+@nox.session(name="bench-memory")
+def bench_memory(session: nox.Session) -> None:
+    """Benchmark (not a test): bytes per param each strategy holds after a step and its peak in one, fp32
+    and the bf16 recipe, beside the ZeRO formulas and torch FSDP2, at worlds 1 and 2 (gloo, or
+    ``-- --device cuda``; benchmarks/bench_memory.py)."""
+    install_local(session, "ddp", "fsdp", "finalize")
+    session.run("python", str(ROOT / "benchmarks" / "bench_memory.py"), *session.posargs)
+
+
 @nox.session(name="bench-muon")
 def bench_muon(session: nox.Session) -> None:
     """Benchmark (not a test): Muon against AdamW under ddp+distopt, ZeRO-1 and ZeRO-3, interleaved at two
