@@ -328,3 +328,38 @@ def inner_zero_grad_then_step() -> bool:
 
 def test_grads_come_back_after_the_inner_optimizer_drops_them() -> None:
     assert all(run_distributed(inner_zero_grad_then_step, 2))
+
+
+def storage_beside_the_buffers(dtype_name: str) -> dict[str, int]:
+    """Bytes the distributed optimizer's main params and their grads hold outside the model's buffers,
+    after a step, and the elements of this rank's bucket shards."""
+    config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=700, grad_reduce_in_fp32=True
+    )
+    model = TinyGPT().to(getattr(torch, dtype_name))
+    ddp = DistributedDataParallel(ModelParallelConfig(), config, model)
+    trainer = Trainer(model, ddp, DistributedOptimizer(make_optimizer("adamw", ddp.parameters()), ddp))
+    trainer.step(0, dist.get_rank(), dist.get_world_size(), 1)
+    buffers = {
+        flat.untyped_storage().data_ptr()
+        for buffer in ddp.grad_buffers.all_buffers
+        for flat in (buffer.param_data, buffer.grad_data)
+        if flat is not None
+    }
+    beside: dict[int, int] = {}
+    for piece in trainer.optimizer.pieces:
+        for tensor in (piece.main, piece.main.grad):
+            assert tensor is not None
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in buffers:
+                beside[storage.data_ptr()] = storage.nbytes()
+    return {"beside": sum(beside.values()), "shards": sum(s.hi - s.lo for s in trainer.optimizer.shards)}
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_fp32_buffers_are_stepped_in_place(dtype_name: str) -> None:
+    """As the reference: fp32 params are their own main params and fp32 grads their own main grads (8 + 8/d
+    bytes per param with fp32 params, 6 + 12/d with bf16 params and fp32 grads); only bf16 params get
+    fp32 main copies, one flat tensor per bucket shard."""
+    for result in run_distributed(storage_beside_the_buffers, 2, args=(dtype_name,)):
+        assert result["beside"] == (0 if dtype_name == "float32" else 4 * result["shards"])

@@ -4,7 +4,10 @@ Each bucket's part that this rank steps (its shard with the distributed optimize
 without) is one contiguous range of the buffer, so it is held as one fp32 main tensor and one fp32 grad
 tensor in the same coordinates. The per-param main params the inner optimizer sees are views into them,
 with their grads attached once, so the per-step work is one grad copy and one weight copy per bucket
-(O(buckets)), not one per param.
+(O(buckets)), not one per param. Where the buffers already hold fp32 (the grad buffer with fp32 grads or
+``grad_reduce_in_fp32``; the param buffer with fp32 params), the main tensor is that range of the buffer
+itself and nothing is copied, as the reference steps fp32 params and grads in place: 8 + 8/d bytes per
+param with fp32 params and grads, 6 + 12/d with bf16 params and fp32 grads (d ranks).
 """
 
 from __future__ import annotations
@@ -48,10 +51,22 @@ class BucketShard:
     pieces: list[ShardPiece] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)  # each piece's range in main / grad
 
+    @property
+    def grad_is_buffer(self) -> bool:
+        """Whether ``grad`` is the grad buffer's own range (fp32 grads: nothing to copy)."""
+        return self.grad.data_ptr() == self.buffer.grad_data[self.lo : self.hi].data_ptr()
+
+    @property
+    def main_is_buffer(self) -> bool:
+        """Whether ``main`` is the param buffer's own range (fp32 params: nothing to copy)."""
+        data = self.buffer.param_data
+        return data is not None and self.main.data_ptr() == data[self.lo : self.hi].data_ptr()
+
     def load_grads(self) -> None:
         """This step's reduced grads (the grad buffer holds them in the grad dtype). If something set the
         main params' grads to None (the inner optimizer's own ``zero_grad``), they are attached again."""
-        self.grad.copy_(self.buffer.grad_data[self.lo : self.hi])
+        if not self.grad_is_buffer:
+            self.grad.copy_(self.buffer.grad_data[self.lo : self.hi])
         if self.pieces and self.pieces[0].main.grad is None:
             self.attach_grads()
 
@@ -64,7 +79,8 @@ class BucketShard:
         """Copy the stepped main params into the model's weights: one copy into the param buffer, or,
         without one (no distributed optimizer), one fused copy over the pieces."""
         if self.buffer.param_data is not None:
-            self.buffer.param_data[self.lo : self.hi].copy_(self.main)
+            if not self.main_is_buffer:
+                self.buffer.param_data[self.lo : self.hi].copy_(self.main)
         elif self.pieces:
             torch._foreach_copy_(
                 [p.model_slice() for p in self.pieces], [p.main.detach().view(-1) for p in self.pieces]
@@ -73,7 +89,8 @@ class BucketShard:
     def read_weights(self) -> None:
         """Adopt the model's current weights as the main params."""
         if self.buffer.param_data is not None:
-            self.main.copy_(self.buffer.param_data[self.lo : self.hi])
+            if not self.main_is_buffer:
+                self.main.copy_(self.buffer.param_data[self.lo : self.hi])
             return
         for piece in self.pieces:
             piece.main.detach().view(-1).copy_(piece.model_slice())
@@ -99,12 +116,20 @@ def build_bucket_shards(
                 for index in buffer.layout.bucket_params(bucket_id):
                     start, end, _ = buffer.layout.param_index_map[index]
                     owned.append((index, (0, end - start), (start - lo, end - lo)))
-            main = torch.zeros(hi - lo, dtype=torch.float32, device=buffer.grad_data.device)
-            shard = BucketShard(buffer, lo, hi, main, torch.zeros_like(main))
+            fp32 = torch.float32
+            params_fp32 = buffer.param_data is not None and buffer.param_data.dtype == fp32
+            main = (
+                buffer.param_data[lo:hi]
+                if buffer.param_data is not None and params_fp32
+                else torch.zeros(hi - lo, dtype=fp32, device=buffer.grad_data.device)
+            )
+            grad = buffer.grad_data[lo:hi] if buffer.grad_data.dtype == fp32 else torch.zeros_like(main)
+            shard = BucketShard(buffer, lo, hi, main, grad)
             for index, param_range, (a, b) in owned:
                 param = buffer.params[index]
                 view = main[a:b]
-                view.copy_(param.detach().view(-1)[param_range[0] : param_range[1]])
+                if not params_fp32:
+                    view.copy_(param.detach().view(-1)[param_range[0] : param_range[1]])
                 shape = piece_shape(param, param_range)
                 piece_main = nn.Parameter(view.view(shape))
                 mark_param_origin(piece_main, param.shape, piece_offsets(param, param_range, shape), param)
