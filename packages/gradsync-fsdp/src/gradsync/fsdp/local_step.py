@@ -124,10 +124,58 @@ class _Lent:
                 state[key] = value
 
 
+class _ScalarCopies:
+    """The copies that bring a group's empty params' scalar state to the leader's after a step, planned
+    once and made in one foreach call while every state dict involved holds the tensors it held then (an
+    in-place step, as torch's, keeps them; anything else plans them again)."""
+
+    __slots__ = ("dicts", "followers", "mines", "source", "source_values", "sources", "values")
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, source: dict[str, Any], followers: list[_Lent]
+    ) -> None:
+        self.source, self.source_values, self.followers = source, list(source.values()), followers
+        self.dicts: list[dict[str, Any]] = [optimizer.state[f.param] for f in followers]
+        self.values = [list(state.values()) for state in self.dicts]
+        scalars = [
+            (k, v) for k, v in source.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
+        ]
+        self.mines = [state[key] for state in self.dicts for key, _ in scalars]
+        self.sources = [value for _ in self.dicts for _, value in scalars]
+
+    @staticmethod
+    def possible(source: dict[str, Any]) -> bool:
+        """Only tensors can be copied in place (a Python number in the state is set anew each step)."""
+        return all(isinstance(value, torch.Tensor) for value in source.values())
+
+    def hold(self, optimizer: torch.optim.Optimizer, source: dict[str, Any], followers: list[_Lent]) -> bool:
+        return (
+            source is self.source
+            and len(source) == len(self.source_values)
+            and all(map(operator.is_, source.values(), self.source_values))
+            and len(followers) == len(self.followers)
+            and all(map(operator.is_, followers, self.followers))
+            and all(map(operator.is_, (optimizer.state.get(f.param) for f in followers), self.dicts))
+            and all(
+                all(map(operator.is_, state.values(), values))
+                for state, values in zip(self.dicts, self.values, strict=True)
+            )
+        )
+
+
 class _Group:
     """One param group with DTensors, as a step lends it."""
 
-    __slots__ = ("dict", "followers", "locals", "originals", "params", "stepped", "stepped_locals")
+    __slots__ = (
+        "copies",
+        "dict",
+        "followers",
+        "locals",
+        "originals",
+        "params",
+        "stepped",
+        "stepped_locals",
+    )
 
     def __init__(self, group: dict[str, Any], lent: dict[int, _Lent], skip_empty: bool) -> None:
         self.dict, self.params = group, group["params"]  # the list itself: put back after a step
@@ -137,6 +185,22 @@ class _Group:
         self.followers = [x for x in own if skip_empty and x.local.numel() == 0]
         self.stepped = [x for x in own if x not in self.followers]
         self.stepped_locals = [t for t in self.locals if not any(t is f.local for f in self.followers)]
+        self.copies: _ScalarCopies | None = None
+
+    def follow(self, optimizer: torch.optim.Optimizer, leader: _Lent) -> None:
+        """After a step: the empty params that had a grad take ``leader``'s state (:meth:`_Lent.follow`),
+        by the planned copies where they still hold."""
+        followers = [f for f in self.followers if f.param.grad is not None]  # a step skips the others
+        source = optimizer.state.get(leader.param)
+        if not source:
+            return
+        if self.copies is not None and self.copies.hold(optimizer, source, followers):
+            if self.copies.mines:  # SGD keeps no scalar state
+                torch._foreach_copy_(self.copies.mines, self.copies.sources)
+            return
+        for follower in followers:
+            follower.follow(optimizer, leader)
+        self.copies = _ScalarCopies(optimizer, source, followers) if _ScalarCopies.possible(source) else None
 
     def leader(self) -> _Lent | None:
         """A param with elements here that this step updates (one with a grad), which the empty ones
@@ -215,9 +279,7 @@ def local_tensors_for_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             x.give_back(optimizer)
     for group, leader in zip(lending.groups, leaders, strict=True):
         if leader is not None:
-            for follower in group.followers:
-                if follower.param.grad is not None:  # as the step would have: one without is skipped
-                    follower.follow(optimizer, leader)
+            group.follow(optimizer, leader)
 
 
 def split_state_as_params(optimizer: torch.optim.Optimizer) -> None:
