@@ -128,21 +128,25 @@ def steps_with_empty_shards(optimizer_name: str) -> dict[str, Any]:
         smallest.append(min(p.numel() for params in groups for p in params))
 
     optimizer.register_step_pre_hook(record_smallest)
+    names = {id(p): name for name, p in model.named_parameters()}
+    scalars = []  # after every step: the first plans the followers' copies, later ones reuse them
     for step in range(STEPS):  # the 4-rank global batch, split among the ranks
         model(global_batch(step, 4, 1).chunk(dist.get_world_size())[dist.get_rank()]).backward()
         optimizer.step()
         optimizer.zero_grad()
-    names = {id(p): name for name, p in model.named_parameters()}
-    state = {names[id(p)]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"]}
+        state = {names[id(p)]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"]}
+        scalars.append(
+            {
+                name: {key: float(value) for key, value in entries.items() if not isinstance(value, DTensor)}
+                for name, entries in state.items()
+            }
+        )
     return {
         "weights": full_weights(model),
         "smallest": smallest,
         "group_elements": [sum(p._local_tensor.numel() for p in g["params"]) for g in optimizer.param_groups],
         "keys": {name: sorted(entries) for name, entries in state.items()},
-        "scalars": {
-            name: {key: float(value) for key, value in entries.items() if not isinstance(value, DTensor)}
-            for name, entries in state.items()
-        },
+        "scalars": scalars,
     }
 
 
