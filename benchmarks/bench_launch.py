@@ -105,16 +105,21 @@ def build(system: str, preset: Preset, device: torch.device, options: argparse.N
     return gradsync_step(system.removeprefix("gradsync-"), bf16_model, options.lr, bucket_elements, bf16=True)
 
 
-def worker(args: argparse.Namespace) -> None:
-    """The torchrun worker: build every system, time their steps in turn; rank 0 prints the medians."""
-    if args.device == "cuda":
+def join_ranks(device_type: str) -> torch.device:
+    """A torchrun worker's process group: NCCL on its GPU, or gloo with one CPU thread per rank."""
+    if device_type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-        torch.set_num_threads(1)  # one core per rank
+        return device
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)  # one core per rank
+    return torch.device("cpu")
+
+
+def worker(args: argparse.Namespace) -> None:
+    """The torchrun worker: build every system, time their steps in turn; rank 0 prints the medians."""
+    device = join_ranks(args.device)
     rank, preset = dist.get_rank(), PRESETS[args.model]
     options = argparse.Namespace(bucket_mb=args.bucket_mb, lr=1e-3, batch_per_rank=preset.batch)
     steps = {system: build(system, preset, device, options) for system in args.systems}

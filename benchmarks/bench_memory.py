@@ -41,7 +41,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from bench import machine  # noqa: E402
 from bench_ab import commit, result_of  # noqa: E402
-from bench_launch import _MID, Preset, build  # noqa: E402
+from bench_launch import _MID, Preset, build, join_ranks  # noqa: E402
 from torch._C._profiler import _EventType  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -141,14 +141,7 @@ def measure(system: str, bf16: bool, device: torch.device, tokens: list[torch.Te
 
 
 def worker(args: argparse.Namespace) -> None:
-    if args.device == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-        torch.set_num_threads(1)
+    device = join_ranks(args.device)
     generator = torch.Generator().manual_seed(dist.get_rank())
     tokens = [
         torch.randint(MODEL.vocab_size, (2, MODEL.seq_len + 1), generator=generator).to(device)
