@@ -172,6 +172,7 @@ class _Group:
         "followers",
         "locals",
         "originals",
+        "own",
         "params",
         "stepped",
         "stepped_locals",
@@ -182,6 +183,7 @@ class _Group:
         self.originals = list(self.params)
         self.locals = [lent[id(p)].local if isinstance(p, DTensor) else p for p in self.originals]
         own = list({id(p): lent[id(p)] for p in self.originals if isinstance(p, DTensor)}.values())
+        self.own = own  # every DTensor param of the group, lent
         self.followers = [x for x in own if skip_empty and x.local.numel() == 0]
         self.stepped = [x for x in own if x not in self.followers]
         self.stepped_locals = [t for t in self.locals if not any(t is f.local for f in self.followers)]
@@ -264,7 +266,7 @@ def local_tensors_for_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     lent = [
         x
         for group, leader in zip(lending.groups, leaders, strict=True)
-        for x in (group.stepped if leader is not None else group.stepped + group.followers)
+        for x in (group.stepped if leader is not None else group.own)
     ]
     try:
         for x in lent:
