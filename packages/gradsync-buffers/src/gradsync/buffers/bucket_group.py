@@ -22,6 +22,7 @@ from .buffer import ParamAndGradBucket, ParamAndGradBuffer
 from .config import DistributedDataParallelConfig
 from .foreign_config import as_ddp_config
 from .grad_checks import LargeGradDetector, LocalGradNorms, check_grads, non_finite_ranks, report_grad_norms
+from .low_precision_reduce import GradCommWire
 from .stats import CollectiveRecord, CommStats
 
 
@@ -83,6 +84,8 @@ class ParamAndGradBucketGroup:
         if ddp_config.check_for_nan_in_grad or ddp_config.check_for_large_grads:
             self.grad_norms = LocalGradNorms(len(buckets), buckets[0].grad_data.device)
         self._grad_norms_recorded = False
+        self.grad_comm_wire = GradCommWire.from_config(ddp_config, len(buckets))
+        """The low-precision wire (``grad_comm_dtype``) the reductions send, if any."""
 
     # --- iteration state -------------------------------------------------------------------------
 
@@ -169,10 +172,21 @@ class ParamAndGradBucketGroup:
         average = self.ddp_config.average_in_collective
         reduce_scatter = self._uses_reduce_scatter(force_all_reduce)
         group = self.collective_group
-        for bucket in self.buckets:
-            records.append(
-                self._record("reduce_scatter" if reduce_scatter else "all_reduce", bucket.grad_data)
-            )
+        for position, bucket in enumerate(self.buckets):
+            op = "reduce_scatter" if reduce_scatter else "all_reduce"
+            if self.grad_comm_wire is not None:
+                sent, reduction = self.grad_comm_wire.launch(
+                    position,
+                    bucket.grad_data,
+                    group,
+                    scatter=reduce_scatter,
+                    average=average,
+                    label=self.label,
+                )
+                records.append(self.stats.begin(op, sent, group.size(), bucket.grad_data.device))
+                launched.extend(reduction)
+                continue
+            records.append(self._record(op, bucket.grad_data))
             if reduce_scatter and self.ddp_config.reduce_scatter_with_fp32_accumulation:
                 launched.extend(
                     collectives.reduce_scatter_fp32_accumulated(bucket.grad_data, group, label=self.label)

@@ -62,11 +62,12 @@ class Launched:
     """With telemetry or the hang watchdog on: each collective's works and what watches them."""
 
     def extend(self, other: Launched) -> None:
-        if self.following is not None or other.following is not None:
-            raise RuntimeError("cannot merge launched collectives that have follow-up collectives")
+        """Add ``other``'s collectives; follow-ups, if any, are launched (in order) once all have finished."""
         self.works += other.works
         self.after += other.after
         self.issued += other.issued
+        if other.following is not None:
+            self.following = _in_turn(self.following, other.following)
 
     def record(self, kind: str, label: str, payload: torch.Tensor, group: dist.ProcessGroup) -> Launched:
         """Tell telemetry and the hang watchdog, when on, that these works are one collective sending
@@ -118,6 +119,19 @@ class Launched:
         waited = {id(work) for issued in self.issued for work in issued.works}
         self.works = [work for work in self.works if id(work) not in waited]
         self.issued = []
+
+
+def _in_turn(first: Callable[[], Launched] | None, second: Callable[[], Launched]) -> Callable[[], Launched]:
+    """Launch ``first``'s collectives (when there is one), then ``second``'s, as one handle."""
+    if first is None:
+        return second
+
+    def both() -> Launched:
+        launched = first()
+        launched.extend(second())
+        return launched
+
+    return both
 
 
 def chain(

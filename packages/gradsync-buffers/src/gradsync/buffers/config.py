@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .wire_format import HALF_WIRE_DTYPES, fp8_wire_dtypes, wire_dtype_names
+
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
@@ -108,6 +110,17 @@ class DistributedDataParallelConfig:
     megatron_fsdp_max_pool_double_buffer: bool = False
     """FSDP: size the double buffer by the largest unit; implies fsdp_double_buffer."""
 
+    # gradsync's own fields (Megatron-Core has no such field): communication-efficient grad sync.
+    grad_comm_dtype: torch.dtype | None = None
+    """gradsync-ddp: the dtype grads travel in (bf16, fp16, or fp8 e4m3 / e5m2 with one fp32 scale per
+    block), summed in fp32 on arrival (all-to-all, then a local sum). None: the grad buffer's dtype, reduced
+    by the backend's collective."""
+    grad_comm_block_size: int = 128
+    """Elements per fp32 scale when grad_comm_dtype is an fp8 dtype."""
+    grad_comm_error_feedback: bool = False
+    """If true, add what this rank's last low-precision send lost to its next one (error feedback; one
+    extra grad-buffer-sized residual per bucket)."""
+
     def __post_init__(self) -> None:
         if self.use_custom_fsdp:
             warnings.warn(
@@ -171,11 +184,30 @@ def _validate(c: DistributedDataParallelConfig) -> None:
                 "reduce_scatter_with_fp32_accumulation is not supported with "
                 "num_distributed_optimizer_instances > 1"
             )
+    _validate_grad_comm(c)
     if c.overlap_param_gather and not (c.use_distributed_optimizer or c.use_megatron_fsdp):
         _fail(
             "overlap_param_gather=True requires use_distributed_optimizer=True or use_megatron_fsdp=True "
             "(without them every rank already holds full params)"
         )
+
+
+def _validate_grad_comm(c: DistributedDataParallelConfig) -> None:
+    if c.grad_comm_dtype is None:
+        if c.grad_comm_error_feedback:
+            _fail("grad_comm_error_feedback=True needs a low-precision grad_comm_dtype (torch.bfloat16, say)")
+        return
+    if c.grad_comm_dtype not in (*HALF_WIRE_DTYPES, *fp8_wire_dtypes()):
+        _fail(f"grad_comm_dtype={c.grad_comm_dtype} is not a wire dtype; use one of {wire_dtype_names()}")
+    if c.grad_comm_block_size <= 0:
+        _fail(f"grad_comm_block_size must be a positive number of elements, got {c.grad_comm_block_size}")
+    if c.reduce_scatter_with_fp32_accumulation:
+        _fail(
+            "grad_comm_dtype already sums in fp32 after an all-to-all: drop "
+            "reduce_scatter_with_fp32_accumulation=True (or grad_comm_dtype)"
+        )
+    if c.num_distributed_optimizer_instances > 1:
+        _fail("grad_comm_dtype is not supported with num_distributed_optimizer_instances > 1")
 
 
 def default_bucket_size(data_parallel_size: int) -> int:

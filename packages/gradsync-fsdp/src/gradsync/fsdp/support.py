@@ -32,8 +32,12 @@ NOT_YET_FIELDS = (
     "megatron_fsdp_enable_fine_grained_param_gather",
     "num_distributed_optimizer_instances",
     "delay_wgrad_compute",
+    "grad_comm_dtype",
+    "grad_comm_block_size",
+    "grad_comm_error_feedback",
 )
-"""Megatron-FSDP features gradsync-fsdp does not provide yet."""
+"""Megatron-FSDP features gradsync-fsdp does not provide yet (``grad_comm_*``: gradsync-ddp's
+low-precision wire; ``megatron_fsdp_grad_comm_dtype`` sends and sums in a lower dtype)."""
 
 DDP_ONLY_FIELDS = (
     "use_distributed_optimizer",

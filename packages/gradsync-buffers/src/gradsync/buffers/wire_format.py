@@ -1,0 +1,76 @@
+"""Low-precision wire formats for gradient collectives: what one row of values becomes on the wire.
+
+A row is one rank's piece of a bucket. In bf16 or fp16 it travels as that dtype. In fp8 (e4m3 or e5m2) it
+is cut into blocks of ``block_size`` elements, each with one fp32 scale (the block's largest magnitude
+over the format's largest finite value), so a block of small grads keeps its precision beside a block of
+large ones. Plain torch casts are enough (no Transformer Engine). Every format is packed into bytes, so
+one collective carries payload and scales together, and any backend that moves uint8 (gloo, NCCL) can
+carry fp8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_FP8_NAMES = ("float8_e4m3fn", "float8_e5m2")
+HALF_WIRE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def fp8_wire_dtypes() -> tuple[torch.dtype, ...]:
+    """The fp8 dtypes this torch has (every supported torch has both; the lookup keeps that a check)."""
+    return tuple(getattr(torch, name) for name in _FP8_NAMES if hasattr(torch, name))
+
+
+def wire_dtype_names() -> str:
+    return ", ".join(f"torch.{name}" for name in ("bfloat16", "float16", *_FP8_NAMES))
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """How a row of values is packed for the wire, and unpacked into fp32 on arrival."""
+
+    dtype: torch.dtype
+    block_size: int
+
+    @property
+    def scaled(self) -> bool:
+        """Whether blocks carry a scale (fp8: too few exponent bits to send grads unscaled)."""
+        return self.dtype.itemsize == 1
+
+    def padded_length(self, elements: int) -> int:
+        """A row's length once padded to whole blocks."""
+        if not self.scaled:
+            return elements
+        return -(-elements // self.block_size) * self.block_size
+
+    def row_bytes(self, elements: int) -> int:
+        """Bytes a row of ``elements`` values takes on the wire (payload, then fp32 scales)."""
+        length = self.padded_length(elements)
+        scales = length // self.block_size * 4 if self.scaled else 0
+        return length * self.dtype.itemsize + scales
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """Pack a ``(rows, padded_length)`` float tensor into ``(rows, row_bytes)`` uint8."""
+        count, length = rows.shape
+        if not self.scaled:
+            return rows.to(self.dtype).view(torch.uint8).view(count, -1)
+        blocks = rows.float().view(count, length // self.block_size, self.block_size)
+        largest = torch.finfo(self.dtype).max
+        scales = blocks.abs().amax(dim=-1, keepdim=True) / largest
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block stays zero
+        payload = (blocks / scales).clamp_(-largest, largest).to(self.dtype)
+        packed = torch.empty(count, self.row_bytes(length), dtype=torch.uint8, device=rows.device)
+        packed[:, :length] = payload.view(torch.uint8).view(count, length)
+        packed[:, length:] = scales.view(count, -1).view(torch.uint8)
+        return packed
+
+    def decode(self, packed: torch.Tensor, length: int) -> torch.Tensor:
+        """Unpack ``(rows, row_bytes(length))`` uint8 into a ``(rows, length)`` fp32 tensor."""
+        count = packed.shape[0]
+        if not self.scaled:
+            return packed.contiguous().view(self.dtype).float()
+        payload = packed[:, :length].contiguous().view(self.dtype).float()
+        scales = packed[:, length:].contiguous().view(torch.float32)
+        return (payload.view(count, -1, self.block_size) * scales.unsqueeze(-1)).view(count, length)
