@@ -155,3 +155,26 @@ def test_muon_report_compares_the_loss_curve_with_adamw(tmp_path: Path) -> None:
     first_losses, last_losses = ({row.split("|")[i].strip() for row in rows} for i in (3, 4))
     assert len(first_losses) == 1  # the same model and data
     assert len(last_losses) == 2  # different optimizers
+
+
+def test_grad_comm_report_puts_each_wire_beside_the_fp32_one(tmp_path: Path) -> None:
+    """--grad-comm bf16,fp8-e4m3-ef trains with the fp32 wire, then each low-precision one, on the same
+    model and data; the report's rows show smaller wires and losses near the fp32 wire's."""
+    result = torchrun(
+        2, "--steps", "4", "--strategy", "ddp+distopt", "--grad-comm", "bf16,fp8-e4m3-ef", "--out-dir",
+        str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = (tmp_path / "report.md").read_text()
+    rows = [line.split("|") for line in report.splitlines() if line.startswith("| ddp+distopt sgd")]
+    assert [row[1].strip() for row in rows] == [
+        "ddp+distopt sgd fp8-e4m3-ef wire",
+        "ddp+distopt sgd fp32 wire",
+        "ddp+distopt sgd bf16 wire",
+    ]
+    first_losses, last_losses = ([float(row[i]) for row in rows] for i in (3, 4))
+    assert len(set(first_losses)) == 1  # the same model and data: the first loss comes before any sync
+    assert all(abs(loss - last_losses[1]) <= 0.01 * last_losses[1] for loss in last_losses)
+    # Per step: the grads' reduce-scatter, then the params' all-gather (fp32 on every wire).
+    fp8, fp32, bf16 = (float(row[-2]) for row in rows)
+    assert fp8 < bf16 <= 0.76 * fp32

@@ -81,6 +81,7 @@ class Options:
     quiet: bool = False
     collect_params: bool = False  # return the full params on rank 0 (parity tests)
     trace: bool = False  # record communication telemetry and write trace.json (Chrome / Perfetto)
+    grad_comm: str = "fp32"  # grad wire(s), comma-separated (GRAD_COMMS); each against the fp32 wire
 
 
 @dataclass
@@ -92,6 +93,17 @@ class RunResult:
 
 
 OPTIMIZERS = ("sgd", "adamw", "muon")
+GRAD_COMMS: dict[str, dict[str, object]] = {
+    "fp32": {},
+    "bf16": {"grad_comm_dtype": torch.bfloat16},
+    "bf16-ef": {"grad_comm_dtype": torch.bfloat16, "grad_comm_error_feedback": True},
+    "fp16": {"grad_comm_dtype": torch.float16},
+    "fp8-e4m3": {"grad_comm_dtype": torch.float8_e4m3fn},
+    "fp8-e4m3-ef": {"grad_comm_dtype": torch.float8_e4m3fn, "grad_comm_error_feedback": True},
+    "fp8-e5m2-ef": {"grad_comm_dtype": torch.float8_e5m2, "grad_comm_error_feedback": True},
+}
+"""``--grad-comm`` choices: the grad wire (gradsync-ddp's strategies); fp32 is the grad buffer's own
+dtype, reduced by the backend. The fp8 wires carry one fp32 scale per 128 values."""
 EMBEDDINGS = ("wte", "wpe", "output_weight")  # the toy GPT's embeddings and untied head: AdamW under Muon
 
 
@@ -141,6 +153,18 @@ def comparison(opts: Options) -> str | None:
     return choice
 
 
+def grad_comms(opts: Options) -> list[str]:
+    """The ``--grad-comm`` wires to train with, in order: the fp32 wire first whenever another is asked
+    for (the reference each is compared with)."""
+    wires = [wire.strip() for wire in opts.grad_comm.split(",") if wire.strip()]
+    unknown = [wire for wire in wires if wire not in GRAD_COMMS]
+    if unknown or not wires:
+        raise ValueError(
+            f"--grad-comm takes a comma-separated list of {', '.join(GRAD_COMMS)}; got {opts.grad_comm!r}"
+        )
+    return list(dict.fromkeys(["fp32", *wires] if wires != ["fp32"] else wires))
+
+
 def param_dtype(opts: Options) -> torch.dtype:
     return torch.bfloat16 if opts.bf16 else torch.float32
 
@@ -169,6 +193,7 @@ def run(opts: Options, baseline: dict[str, list[StepRecord]] | None = None) -> R
         bf16=opts.bf16,
         hsdp=Hybrid(opts.hsdp, opts.hsdp_outer),
         shard_alignment=shard_alignment(opts),
+        grad_comm=GRAD_COMMS[opts.grad_comm],
     )
     model, optimizer = wrapped.model, wrapped.optimizer
     corpus = Corpus.from_stdlib(opts.corpus_bytes)
@@ -261,13 +286,17 @@ def write_outputs(
         "model": f"{sum(p.numel() for p in GPTStage(cfg).parameters()) / 1e6:.2f}M params, {cfg}",
         "data": f"{corpus.source}; global batch {opts.global_batch} × {opts.seq_len} bytes",
         "optimizer": f"{opts.optimizer}, lr {opts.lr}",
+        "grad wire": opts.grad_comm
+        + (" (the grad dtype, reduced by the backend)" if opts.grad_comm == "fp32" else ", summed in fp32"),
     }
     if opts.trace:
         facts["trace"] = (
             f"[{TRACE_FILE}]({TRACE_FILE}): every rank's compute phases, collectives and exposed waits; "
             "open it in ui.perfetto.dev or chrome://tracing"
         )
+    wires_compared = any(name.endswith(" wire") for name in baseline)
     label = opts.strategy if not baseline else f"{opts.strategy} {opts.optimizer}"
+    label += f" {opts.grad_comm} wire" if wires_compared else ""
     if baseline:
         facts["compared with"] = ", ".join(baseline) + ": the same model, data and steps"
     return write_report(out, {label: records, **baseline}, facts)
@@ -301,12 +330,19 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     shard_alignment(opts)  # refuse a layout Muon cannot run on before anything trains
     baseline: dict[str, list[StepRecord]] = {}
+    *earlier, last = grad_comms(opts)
+    for wire in earlier:  # the fp32 wire and every other one first, so the last run's report shows all
+        if dist.get_rank() == 0:
+            print(f"baseline: the same run with --grad-comm {wire}", flush=True)
+        compared = run(dataclasses.replace(opts, grad_comm=wire, out_dir=None, save_every=0, trace=False))
+        baseline[f"{opts.strategy} {opts.optimizer} {wire} wire"] = compared.records
+    opts = dataclasses.replace(opts, grad_comm=last)
     other = comparison(opts)
-    if other is not None:  # first, so this run's report can show both
+    if other is not None:
         if dist.get_rank() == 0:
             print(f"baseline: the same run with --optimizer {other}", flush=True)
         compared = run(dataclasses.replace(opts, optimizer=other, out_dir=None, save_every=0, trace=False))
-        baseline = {f"{opts.strategy} {other}": compared.records}
+        baseline[f"{opts.strategy} {other}" + (f" {last} wire" if earlier else "")] = compared.records
     result = run(opts, baseline)
     if dist.get_rank() == 0 and result.report:
         print(f"report: {result.report.resolve()}", flush=True)

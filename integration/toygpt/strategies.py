@@ -24,6 +24,8 @@ from gradsync.groups import ProcessGroupCollection
 from .model import Block
 
 OptimizerFactory = Callable[[Iterable[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
+GradComm = Mapping[str, Any]
+"""DistributedDataParallelConfig's ``grad_comm_*`` fields, by name."""
 """Builds the optimizer from the wrapped model's named params (names let Muon split off embeddings)."""
 
 
@@ -158,12 +160,13 @@ def _wrap_ddp(
     bf16: bool,
     hsdp: Hybrid,
     shard_alignment: ShardAlignmentSpec,
+    grad_comm: GradComm,
 ) -> Wrapped:
     """bf16 weights get Megatron's mixed-precision recipe: grads reduced in fp32, fp32 main params."""
     if hsdp.outer > 1:
         raise ValueError(f"{strategy.name}: --hsdp applies to the fsdp-* strategies only")
     ddp_config = DistributedDataParallelConfig(
-        bucket_size=bucket_size, grad_reduce_in_fp32=bf16, **strategy.options
+        bucket_size=bucket_size, grad_reduce_in_fp32=bf16, **strategy.options, **grad_comm
     )
     model = DistributedDataParallel(
         stage.config,  # type: ignore[arg-type]
@@ -188,6 +191,7 @@ def _wrap_fsdp(
     bf16: bool,
     hsdp: Hybrid,
     shard_alignment: ShardAlignmentSpec,
+    grad_comm: GradComm,
 ) -> Wrapped:
     """Each block an FSDP unit, sharded over the data-parallel group (or ``hsdp``'s shard group); bf16
     weights get fp32 main weights and fp32 main grads, as the DDP strategies' recipe. The optimizer's step
@@ -204,6 +208,7 @@ def _wrap_fsdp(
         bucket_size=bucket_size,
         outer_dp_sharding_strategy=hsdp.outer_strategy if hsdp.outer > 1 else "no_shard",
         **strategy.options,
+        **grad_comm,
     )
     policy = MixedPrecisionPolicy(torch.float32, torch.float32 if bf16 else None)
     model = MegatronFSDP(
@@ -233,10 +238,14 @@ def wrap(
     bf16: bool = False,
     hsdp: Hybrid = Hybrid(),
     shard_alignment: ShardAlignmentSpec = None,
+    grad_comm: GradComm | None = None,
 ) -> Wrapped:
-    """``shard_alignment``: where the sharded strategies may cut each param (whole matrices for Muon)."""
+    """``shard_alignment``: where the sharded strategies may cut each param (whole matrices for Muon);
+    ``grad_comm``: the config's ``grad_comm_*`` fields (a low-precision grad wire)."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
     strategy = STRATEGIES[name]
     wrapper = WRAPPERS[strategy.wrapper]
-    return wrapper(strategy, stage, groups, make_optimizer, bucket_size, bf16, hsdp, shard_alignment)
+    return wrapper(
+        strategy, stage, groups, make_optimizer, bucket_size, bf16, hsdp, shard_alignment, grad_comm or {}
+    )
