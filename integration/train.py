@@ -82,6 +82,7 @@ class Options:
     collect_params: bool = False  # return the full params on rank 0 (parity tests)
     trace: bool = False  # record communication telemetry and write trace.json (Chrome / Perfetto)
     grad_comm: str = "fp32"  # grad wire(s), comma-separated (GRAD_COMMS); each against the fp32 wire
+    grad_comm_block_size: int = 32  # values per fp32 scale on the fp8 wires
 
 
 @dataclass
@@ -103,7 +104,7 @@ GRAD_COMMS: dict[str, dict[str, object]] = {
     "fp8-e5m2-ef": {"grad_comm_dtype": torch.float8_e5m2, "grad_comm_error_feedback": True},
 }
 """``--grad-comm`` choices: the grad wire (gradsync-ddp's strategies); fp32 is the grad buffer's own
-dtype, reduced by the backend. The fp8 wires carry one fp32 scale per 128 values."""
+dtype, reduced by the backend. The fp8 wires carry one fp32 scale per ``--grad-comm-block-size`` values."""
 EMBEDDINGS = ("wte", "wpe", "output_weight")  # the toy GPT's embeddings and untied head: AdamW under Muon
 
 
@@ -165,6 +166,12 @@ def grad_comms(opts: Options) -> list[str]:
     return list(dict.fromkeys(["fp32", *wires] if wires != ["fp32"] else wires))
 
 
+def grad_comm_fields(opts: Options) -> dict[str, object]:
+    """The config's ``grad_comm_*`` fields for this run's wire."""
+    fields = GRAD_COMMS[opts.grad_comm]
+    return {**fields, "grad_comm_block_size": opts.grad_comm_block_size} if fields else {}
+
+
 def param_dtype(opts: Options) -> torch.dtype:
     return torch.bfloat16 if opts.bf16 else torch.float32
 
@@ -193,7 +200,7 @@ def run(opts: Options, baseline: dict[str, list[StepRecord]] | None = None) -> R
         bf16=opts.bf16,
         hsdp=Hybrid(opts.hsdp, opts.hsdp_outer),
         shard_alignment=shard_alignment(opts),
-        grad_comm=GRAD_COMMS[opts.grad_comm],
+        grad_comm=grad_comm_fields(opts),
     )
     model, optimizer = wrapped.model, wrapped.optimizer
     corpus = Corpus.from_stdlib(opts.corpus_bytes)

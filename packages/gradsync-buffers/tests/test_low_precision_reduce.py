@@ -4,6 +4,8 @@ carried residual of error feedback, and the config's refusals."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -151,7 +153,7 @@ def sent_over_steps(error_feedback: bool, wire_dtype: torch.dtype, steps: int) -
         use_distributed_optimizer=True, grad_comm_dtype=wire_dtype, grad_comm_block_size=32,
         grad_comm_error_feedback=error_feedback,
     )  # fmt: skip
-    comm = GradCommWire.from_config(config, buckets=1)
+    comm = GradCommWire.from_config(config)
     assert comm is not None
     own = slice(rank * (numel // world), (rank + 1) * (numel // world))
     received = torch.zeros(numel // world, dtype=torch.float64)
@@ -168,7 +170,6 @@ def sent_over_steps(error_feedback: bool, wire_dtype: torch.dtype, steps: int) -
     if not error_feedback:
         return error, float("nan"), slop
     assert comm.residuals is not None
-    assert comm.residuals[0] is not None
     # sum over steps of what was sent = sum of the grads - the last residual, on every rank: so the
     # summed results miss the exact sums by the sum of the ranks' last residuals.
     residuals = exact_inputs(comm.residuals[0]).sum(dim=0)[own]
@@ -206,3 +207,35 @@ def test_error_feedback_carries_the_residual_so_errors_do_not_pile_up(wire_dtype
 def test_bad_grad_comm_fields_are_refused_by_name(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         DistributedDataParallelConfig(**fields)  # type: ignore[arg-type]
+
+
+def uneven_shards_reduced(wire_dtype: torch.dtype, cuts: tuple[int, ...]) -> None:
+    rank, block = dist.get_rank(), 16
+    bucket = rank_grads(cuts[-1], torch.float32)
+    inputs = exact_inputs(bucket)
+    residual = torch.zeros_like(bucket)
+    reduction = LowPrecisionReduction(
+        bucket, dist.group.WORLD, WireFormat(wire_dtype, block), average=False, residual=residual, cuts=cuts
+    )
+    lo, hi = cuts[rank], cuts[rank + 1]
+    assert reduction.wire_bytes == sum(WireFormat(wire_dtype, block).row_bytes(b - a) for a, b in
+                                       itertools.pairwise(cuts))  # fmt: skip
+    reduction.reduce_scatter("t").wait()
+    # Each piece is packed as its own row: the residual is what packing that piece lost.
+    for a, b in itertools.pairwise(cuts):
+        lost = residual[a:b].double().abs()
+        assert bool((lost <= packing_bound(wire_dtype, inputs[rank, a:b], 1, block)).all())
+    assert float(residual.abs().sum()) > 0  # fp32 grads do lose bits in either wire
+    if hi == lo:
+        return
+    exact = inputs[:, lo:hi]
+    bound = sum(packing_bound(wire_dtype, row, 1, block) for row in exact) + 1e-6 * exact.abs().sum(dim=0)
+    excess = (bucket[lo:hi].double() - exact.sum(dim=0)).abs() - bound
+    assert float(excess.max()) <= 0
+    if wire_dtype == torch.bfloat16:
+        assert torch.equal(bucket[lo:hi], exact.float().to(wire_dtype).float().sum(dim=0))
+
+
+@pytest.mark.parametrize("wire_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_uneven_shards_each_get_their_fp32_sum(wire_dtype: torch.dtype) -> None:
+    run_distributed(uneven_shards_reduced, 4, args=(wire_dtype, (0, 10, 10, 57, 100)))  # rank 1 owns nothing

@@ -39,7 +39,7 @@ def train_with_wire(config: DistributedDataParallelConfig) -> tuple[torch.Tensor
 
 
 def wire_bytes(sizes: list[int], world: int, wire: dict[str, object]) -> int:
-    """Each bucket cut into one piece per rank; fp8 pads each piece to whole blocks of 128 values and adds
+    """Each bucket cut into one piece per rank; fp8 pads each piece to whole blocks of 32 values (the default) and adds
     an fp32 scale per block."""
     total = 0
     for size in sizes:
@@ -47,8 +47,8 @@ def wire_bytes(sizes: list[int], world: int, wire: dict[str, object]) -> int:
         if wire["grad_comm_dtype"] == torch.bfloat16:
             total += world * piece * 2
         else:
-            blocks = -(-piece // 128)
-            total += world * blocks * (128 + 4)
+            blocks = -(-piece // 32)
+            total += world * blocks * (32 + 4)
     return total
 
 

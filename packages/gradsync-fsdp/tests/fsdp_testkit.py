@@ -126,6 +126,7 @@ def wrap(
     units: bool = True,
     main_grads_dtype: torch.dtype | None = None,
     grad_comm_dtype: torch.dtype | None = None,
+    wire: torch.dtype | None = None,
     seed: int = 0,
     layers: int = LAYERS,
     outer: int = 1,
@@ -139,6 +140,7 @@ def wrap(
         data_parallel_sharding_strategy=strategy,
         overlap_grad_reduce=config.pop("overlap_grad_reduce", True),
         overlap_param_gather=config.pop("overlap_param_gather", True),
+        grad_comm_dtype=wire,
         **config,
     )
     model = TinyTransformer(seed, checkpoint=checkpoint, layers=layers).to(dtype)

@@ -101,9 +101,6 @@ def refusals() -> None:
     )
     assert "nccl_ub=True was passed" in refused(fsdp_config(), nccl_ub=True)
     assert "fine_grained" in refused(fsdp_config(), enable_fine_grained_param_gather_hook=True)
-    assert "grad_comm_dtype=torch.bfloat16 is not implemented by gradsync-fsdp yet" in refused(
-        fsdp_config(grad_comm_dtype=torch.bfloat16)
-    )
     policy = MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16)
     assert "grad_reduce_in_fp32=True contradicts mixed_precision_policy.main_grads_dtype" in refused(
         fsdp_config(grad_reduce_in_fp32=True), mixed_precision_policy=policy

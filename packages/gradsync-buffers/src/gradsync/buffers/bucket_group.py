@@ -84,7 +84,7 @@ class ParamAndGradBucketGroup:
         if ddp_config.check_for_nan_in_grad or ddp_config.check_for_large_grads:
             self.grad_norms = LocalGradNorms(len(buckets), buckets[0].grad_data.device)
         self._grad_norms_recorded = False
-        self.grad_comm_wire = GradCommWire.from_config(ddp_config, len(buckets))
+        self.grad_comm_wire = GradCommWire.from_config(ddp_config)
         """The low-precision wire (``grad_comm_dtype``) the reductions send, if any."""
 
     # --- iteration state -------------------------------------------------------------------------

@@ -115,8 +115,9 @@ class DistributedDataParallelConfig:
     """gradsync-ddp: the dtype grads travel in (bf16, fp16, or fp8 e4m3 / e5m2 with one fp32 scale per
     block), summed in fp32 on arrival (all-to-all, then a local sum). None: the grad buffer's dtype, reduced
     by the backend's collective."""
-    grad_comm_block_size: int = 128
-    """Elements per fp32 scale when grad_comm_dtype is an fp8 dtype."""
+    grad_comm_block_size: int = 32
+    """Elements per fp32 scale when grad_comm_dtype is an fp8 dtype (32, the block of the OCP microscaling
+    formats; docs/grad-comm.md has what larger blocks cost in training)."""
     grad_comm_error_feedback: bool = False
     """If true, add what this rank's last low-precision send lost to its next one (error feedback; one
     extra grad-buffer-sized residual per bucket)."""

@@ -14,17 +14,23 @@ over T steps sum to the grads of those steps minus the last residual.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Hashable, Sequence
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .collectives import Launched, all_gather_shards, chain
+from .collectives import Launched, all_gather_shards, chain, uneven_shards
 from .config import DistributedDataParallelConfig
 from .wire_format import WireFormat
 
 
 class LowPrecisionReduction:
-    """One bucket's reduction over ``group``: packs at construction, sums when the all-to-all is waited."""
+    """One bucket's reduction over ``group``: packs at construction, sums when the all-to-all is waited.
+
+    ``cuts``: the shards' boundaries (``group.size() + 1`` of them) when they are not equal (a
+    reduce-scatter only); without them the bucket is cut into equal pieces, the last padded with zeros."""
 
     def __init__(
         self,
@@ -34,40 +40,72 @@ class LowPrecisionReduction:
         *,
         average: bool,
         residual: torch.Tensor | None,
+        cuts: Sequence[int] | None = None,
     ) -> None:
         self.bucket, self.group, self.wire, self.average = bucket, group, wire, average
         self.world, self.rank = group.size(), group.rank()
-        self.chunk = -(-bucket.numel() // self.world)
-        self.length = wire.padded_length(self.chunk)
+        numel = bucket.numel()
         contribution = bucket.float() if residual is None else bucket.float() + residual.float()
-        rows = F.pad(contribution, (0, self.world * self.chunk - bucket.numel())).view(self.world, self.chunk)
-        self.sent = wire.encode(F.pad(rows, (0, self.length - self.chunk)))
+        if cuts is None:
+            self.chunk = -(-numel // self.world)
+            self.bounds = [
+                (min(r * self.chunk, numel), min((r + 1) * self.chunk, numel)) for r in range(self.world)
+            ]
+            rows = F.pad(contribution, (0, self.world * self.chunk - numel)).view(self.world, self.chunk)
+            self.sent = wire.encode(F.pad(rows, (0, wire.padded_length(self.chunk) - self.chunk))).view(-1)
+            self.splits: list[int] | None = None
+            received = self.chunk
+        else:
+            self.chunk = 0
+            uneven_shards(bucket, cuts, self.world)  # refuses cuts that do not split the bucket
+            self.bounds = list(itertools.pairwise(cuts))
+            self.sent = torch.cat([self._pack(contribution[lo:hi]) for lo, hi in self.bounds])
+            self.splits = [wire.row_bytes(hi - lo) for lo, hi in self.bounds]
+            lo, hi = self.bounds[self.rank]
+            received = hi - lo
+        self.received_length = received
         if residual is not None:
-            residual.copy_(contribution - self._unpack(self.sent))
-        self.received = torch.empty_like(self.sent)
+            residual.copy_(contribution - self._unpack_sent())
+        self.received = torch.empty(
+            self.world * wire.row_bytes(received), dtype=torch.uint8, device=self.sent.device
+        )
         self.total = torch.empty(0)
+
+    def _pack(self, values: torch.Tensor) -> torch.Tensor:
+        """One piece as one wire row, flat."""
+        padded = F.pad(values, (0, self.wire.padded_length(values.numel()) - values.numel()))
+        return self.wire.encode(padded.view(1, -1)).view(-1)
+
+    def _unpack_rows(self, packed: torch.Tensor, length: int) -> torch.Tensor:
+        """Equal packed rows of ``length`` values each back to ``(rows, length)`` fp32."""
+        rows = self.wire.decode(packed.view(self.world, -1), self.wire.padded_length(length))
+        return rows[:, :length]
+
+    def _unpack_sent(self) -> torch.Tensor:
+        """What this rank's packed contribution unpacks to, as a flat fp32 bucket."""
+        if self.splits is None:
+            return self._unpack_rows(self.sent, self.chunk).reshape(-1)[: self.bucket.numel()]
+        pieces = torch.split(self.sent, self.splits)
+        return torch.cat(
+            [self.wire.decode(p.view(1, -1), self.wire.padded_length(hi - lo))[0, : hi - lo]
+             for p, (lo, hi) in zip(pieces, self.bounds, strict=True)]
+        )  # fmt: skip
 
     @property
     def wire_bytes(self) -> int:
         """Bytes this rank puts into the all-to-all (the whole bucket, packed)."""
         return self.sent.numel()
 
-    def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """Rows of packed pieces back to a flat fp32 bucket of the original size."""
-        rows = self.wire.decode(packed, self.length)[:, : self.chunk]
-        return rows.reshape(-1)[: self.bucket.numel()]
-
-    def _own(self) -> slice:
-        return slice(self.rank * self.chunk, min((self.rank + 1) * self.chunk, self.bucket.numel()))
-
     def _sum_received(self) -> None:
-        total = self.wire.decode(self.received, self.length).sum(dim=0)
+        total = self._unpack_rows(self.received, self.received_length).sum(dim=0)
         self.total = total / self.world if self.average else total
         self.received = torch.empty(0)  # the scratch is not needed past the sum
 
     def launch(self, label: str) -> Launched:
         """The all-to-all, then the fp32 sum of the pieces this rank owns."""
-        work = dist.all_to_all_single(self.received, self.sent, group=self.group, async_op=True)
+        work = dist.all_to_all_single(
+            self.received, self.sent, input_split_sizes=self.splits, group=self.group, async_op=True
+        )
         launched = Launched([work]).record("reduce_scatter", label, self.sent, self.group)
         launched.after.append(self._sum_received)
         return launched
@@ -77,66 +115,72 @@ class LowPrecisionReduction:
         launched = self.launch(label)
 
         def keep_own_sum() -> None:
-            own = self._own()
-            self.bucket[own].copy_(self.total[: own.stop - own.start])
+            lo, hi = self.bounds[self.rank]
+            self.bucket[lo:hi].copy_(self.total[: hi - lo])
 
         launched.after.append(keep_own_sum)
         return launched
 
     def all_reduce(self, label: str) -> Launched:
         """Every rank's bucket ends as the sum (or mean), identical on every rank."""
+        if self.splits is not None:
+            raise ValueError("an all-reduce cuts the bucket into equal pieces: pass no cuts")
         first = self.launch(label)
         return chain(first, lambda: self._gather_sums(label), self.group, self.bucket.device)
 
     def _gather_sums(self, label: str) -> Launched:
-        mine = self.wire.encode(self.total.view(1, -1))
-        gathered = torch.empty(self.world, mine.shape[1], dtype=torch.uint8, device=mine.device)
-        gathered[self.rank] = mine[0]
-        launched = all_gather_shards(gathered.view(-1), self.group, label=f"{label}.sums")
+        mine = self._pack(self.total[: self.chunk])
+        gathered = torch.empty(self.world * mine.numel(), dtype=torch.uint8, device=mine.device)
+        gathered.view(self.world, -1)[self.rank] = mine
+        launched = all_gather_shards(gathered, self.group, label=f"{label}.sums")
 
         def unpack() -> None:
-            self.bucket.copy_(self._unpack(gathered))
+            self.bucket.copy_(self._unpack_rows(gathered, self.chunk).reshape(-1)[: self.bucket.numel()])
 
         launched.after.append(unpack)
         return launched
 
 
 class GradCommWire:
-    """A bucket group's low-precision wire: the format its config names and, with error feedback, each
-    bucket's residual (in the grad buffer's dtype, created at the bucket's first reduction)."""
+    """A wrapper's low-precision wire: the format its config names and, with error feedback, the residual
+    of each reduction it runs (keyed by the caller: a bucket, a stage), in the grad buffer's dtype and
+    created at that reduction's first launch."""
 
-    def __init__(self, wire: WireFormat, error_feedback: bool, buckets: int) -> None:
+    def __init__(self, wire: WireFormat, error_feedback: bool) -> None:
         self.wire = wire
-        self.residuals: list[torch.Tensor | None] | None = [None] * buckets if error_feedback else None
+        self.residuals: dict[Hashable, torch.Tensor] | None = {} if error_feedback else None
 
     @classmethod
-    def from_config(cls, config: DistributedDataParallelConfig, buckets: int) -> GradCommWire | None:
+    def from_config(cls, config: DistributedDataParallelConfig) -> GradCommWire | None:
         if config.grad_comm_dtype is None:
             return None
-        wire = WireFormat(config.grad_comm_dtype, config.grad_comm_block_size)
-        return cls(wire, config.grad_comm_error_feedback, buckets)
+        return cls(
+            WireFormat(config.grad_comm_dtype, config.grad_comm_block_size), config.grad_comm_error_feedback
+        )
 
-    def _residual(self, position: int, grads: torch.Tensor) -> torch.Tensor | None:
+    def _residual(self, key: Hashable, grads: torch.Tensor) -> torch.Tensor | None:
         if self.residuals is None:
             return None
-        residual = self.residuals[position]
+        residual = self.residuals.get(key)
         if residual is None:
-            residual = self.residuals[position] = torch.zeros_like(grads)
+            residual = self.residuals[key] = torch.zeros_like(grads)
         return residual
 
     def launch(
         self,
-        position: int,
+        key: Hashable,
         grads: torch.Tensor,
         group: dist.ProcessGroup,
         *,
         scatter: bool,
         average: bool,
         label: str,
+        cuts: Sequence[int] | None = None,
     ) -> tuple[int, Launched]:
-        """Reduce bucket ``position``'s grads over ``group``: the bytes this rank sends, and the handle."""
+        """Reduce ``grads`` over ``group`` (``key`` names the reduction for its residual): the bytes this rank
+        sends, and the handle."""
         reduction = LowPrecisionReduction(
-            grads, group, self.wire, average=average, residual=self._residual(position, grads)
+            grads, group, self.wire, average=average, residual=self._residual(key, grads), cuts=cuts
         )
         launched = reduction.reduce_scatter(label) if scatter else reduction.all_reduce(label)
         return reduction.wire_bytes, launched

@@ -69,6 +69,8 @@ class WireFormat:
     def decode(self, packed: torch.Tensor, length: int) -> torch.Tensor:
         """Unpack ``(rows, row_bytes(length))`` uint8 into a ``(rows, length)`` fp32 tensor."""
         count = packed.shape[0]
+        if packed.numel() == 0:  # empty rows (a rank that owns no shard) have no strides to view
+            return torch.zeros(count, length, dtype=torch.float32, device=packed.device)
         if not self.scaled:
             return packed.contiguous().view(self.dtype).float()
         payload = packed[:, :length].contiguous().view(self.dtype).float()

@@ -13,7 +13,7 @@ themselves), so its in-place updates land in the buffer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from gradsync.buffers.collectives import Launched, all_gather_shards, all_reduce, chain, reduce_scatter
 from gradsync.buffers.grad_checks import LocalGradNorms
+from gradsync.buffers.low_precision_reduce import GradCommWire
 from gradsync.buffers.shard_alignment import shard_alignment_of
 from gradsync.buffers.stats import CommStats
 
@@ -93,6 +94,32 @@ def bucket_layout(
     )
 
 
+def reduce_grads(
+    wire: torch.Tensor,
+    group: dist.ProcessGroup,
+    grad_comm: GradCommWire | None,
+    key: Hashable,
+    *,
+    scatter: bool,
+    average: bool,
+    cuts: Sequence[int] | None,
+    label: str,
+) -> tuple[Launched, int]:
+    """Reduce-scatter (``scatter``) or all-reduce ``wire`` over ``group``, through the low-precision wire
+    when there is one (``key`` names the reduction for its error-feedback residual); returns the handle and
+    the bytes this rank sent."""
+    if grad_comm is not None:
+        sent, launched = grad_comm.launch(
+            key, wire, group, scatter=scatter, average=average, label=label, cuts=cuts
+        )
+        return launched, sent
+    if scatter:
+        launched = reduce_scatter(wire, group, average=average, cuts=cuts, label=label)
+    else:
+        launched = all_reduce(wire, group, average=average, label=label)
+    return launched, wire.numel() * wire.element_size()
+
+
 class FlatParamBucket:
     """The flat buffers of one bucket and the collectives that keep them in sync across ``group``: grads
     are reduced over ``group``, weights gathered over ``gather_group`` (the gather lane,
@@ -112,11 +139,14 @@ class FlatParamBucket:
         unset: Collection[torch.Tensor] = (),
         gather_group: dist.ProcessGroup | None = None,
         grad_storage: torch.Tensor | None = None,
+        grad_comm: GradCommWire | None = None,
     ) -> None:
         """``unset``: params without values yet (meta-device init); :meth:`write_param` sets them.
         ``grad_storage``: zeros to hold the persistent grads, a slice of a coalesced group's buffer
-        (:mod:`gradsync.fsdp.coalesce`); by default the bucket allocates its own."""
+        (:mod:`gradsync.fsdp.coalesce`); by default the bucket allocates its own. ``grad_comm``: the
+        low-precision wire with fp32 sums the reductions send (``grad_comm_dtype``), if any."""
         self.bucket_id, self.spec, self.sharding, self.group = bucket_id, spec, sharding, group
+        self.grad_comm = grad_comm
         self.gather_group = group if gather_group is None else gather_group
         self.label = f"fsdp.bucket{bucket_id}"  # in telemetry
         self.outer = outer
@@ -382,14 +412,13 @@ class FlatParamBucket:
             norms.record(self.bucket_id, wire)
         if reduction.factor != 1.0:
             wire.mul_(reduction.factor)
-        if not self.sharding.shard_main:
-            launched = all_reduce(wire, self.group, average=reduction.average, label=self.label)
-        else:
-            launched = reduce_scatter(
-                wire, self.group, average=reduction.average, cuts=self.inner_cuts, label=self.label
-            )
+        scatter = self.sharding.shard_main
+        launched, sent = reduce_grads(
+            wire, self.group, self.grad_comm, self.bucket_id, scatter=scatter, average=reduction.average,
+            cuts=self.inner_cuts, label=self.label,
+        )  # fmt: skip
         launched.after.append(lambda: self.finish_reduce(wire))
-        self.record("all_reduce" if not self.sharding.shard_main else "reduce_scatter", wire, self.group)
+        self.record("reduce_scatter" if scatter else "all_reduce", wire, self.group, sent)
         return launched
 
     def finish_reduce_shard(self, shard: torch.Tensor) -> None:
@@ -466,13 +495,10 @@ class FlatParamBucket:
             lo, hi = self.main_range
             region = self.grad[lo - base : hi - base]
         wire = region if self.comm_dtype == region.dtype else region.to(self.comm_dtype)
-        label = f"{self.label}.outer"
-        if self.outer.shard:
-            launched = reduce_scatter(
-                wire, self.outer.group, average=reduction.average, cuts=self.outer_cuts, label=label
-            )
-        else:
-            launched = all_reduce(wire, self.outer.group, average=reduction.average, label=label)
+        launched, sent = reduce_grads(
+            wire, self.outer.group, self.grad_comm, (self.bucket_id, "outer"), scatter=self.outer.shard,
+            average=reduction.average, cuts=self.outer_cuts, label=f"{self.label}.outer",
+        )  # fmt: skip
         if wire is not region:
 
             def copy_back() -> None:
@@ -480,12 +506,16 @@ class FlatParamBucket:
 
             launched.after.append(copy_back)
         launched.after.append(self._add_back_reduced)
-        self.record("reduce_scatter" if self.outer.shard else "all_reduce", wire, self.outer.group)
+        self.record("reduce_scatter" if self.outer.shard else "all_reduce", wire, self.outer.group, sent)
         return launched
 
-    def record(self, op: str, payload: torch.Tensor, group: dist.ProcessGroup) -> None:
-        """Account one collective of this bucket in its step's :class:`CommStats`."""
-        self.stats.begin(op, payload.numel() * payload.element_size(), group.size(), payload.device)
+    def record(
+        self, op: str, payload: torch.Tensor, group: dist.ProcessGroup, sent: int | None = None
+    ) -> None:
+        """Account one collective of this bucket in its step's :class:`CommStats` (``sent``: the bytes on
+        the wire, when they are not ``payload``'s own)."""
+        nbytes = payload.numel() * payload.element_size() if sent is None else sent
+        self.stats.begin(op, nbytes, group.size(), payload.device)
 
     def grad_view(self, index: int) -> torch.Tensor | None:
         """Item ``index``'s reduced grad rows owned by this rank, empty when it owns none (every rank

@@ -36,10 +36,10 @@ from collections.abc import Sequence
 
 import torch
 
-from gradsync.buffers.collectives import Launched, all_gather_shards, all_reduce, reduce_scatter
+from gradsync.buffers.collectives import Launched, all_gather_shards
 from gradsync.buffers.grad_checks import LocalGradNorms
 
-from .bucket import BucketStatus, FlatParamBucket, GradReduction
+from .bucket import BucketStatus, FlatParamBucket, GradReduction, reduce_grads
 from .layout import BucketLayout
 from .mixed_precision import MixedPrecisionPolicy
 from .strategy import Sharding
@@ -182,13 +182,16 @@ class ReductionGroup:
         wire = flat if first.comm_dtype == first.grad_dtype else flat.to(first.comm_dtype)
         if reduction.factor != 1.0:
             wire.mul_(reduction.factor)
-        launched = all_reduce(wire, first.group, average=reduction.average, label=self.label)
+        launched, sent = reduce_grads(
+            wire, first.group, first.grad_comm, self.label, scatter=False, average=reduction.average,
+            cuts=None, label=self.label,
+        )  # fmt: skip
         pieces = torch.split(wire, [b.layout.size for b in self.buckets])
         for bucket, piece in zip(self.buckets, pieces, strict=True):
             reduced = bucket.grad if wire is flat else piece  # in place: nothing to copy back
             assert reduced is not None
             launched.after.append(functools.partial(bucket.finish_reduce, reduced))
-            bucket.record("all_reduce", piece, bucket.group)
+            bucket.record("all_reduce", piece, bucket.group, sent * piece.numel() // wire.numel())
         return launched
 
     def _reduce_scatter(self, reduction: GradReduction) -> Launched:
@@ -207,10 +210,13 @@ class ReductionGroup:
             wire = wire.to(first.comm_dtype)
         if reduction.factor != 1.0:
             wire.mul_(reduction.factor)
-        launched = reduce_scatter(wire, group, average=reduction.average, label=self.label)
+        launched, sent = reduce_grads(
+            wire, group, first.grad_comm, self.label, scatter=True, average=reduction.average, cuts=None,
+            label=self.label,
+        )  # fmt: skip
         mine = wire[rank * part : rank * part + self.part_lengths[rank]]
         shards = torch.split(mine, self.piece_sizes[rank])
         for bucket, grad, shard in zip(self.buckets, grads, shards, strict=True):
             launched.after.append(functools.partial(bucket.finish_reduce_shard, shard))
-            bucket.record("reduce_scatter", grad, group)
+            bucket.record("reduce_scatter", grad, group, sent * grad.numel() // self.size)
         return launched

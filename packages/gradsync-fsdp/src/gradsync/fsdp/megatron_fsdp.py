@@ -37,6 +37,7 @@ from gradsync.buffers import (
     telemetry,
 )
 from gradsync.buffers.grad_checks import LocalGradNorms, non_finite_ranks
+from gradsync.buffers.low_precision_reduce import GradCommWire
 from gradsync.buffers.shard_alignment import ShardAlignmentSpec, ShardBalance, set_shard_alignments
 from gradsync.buffers.wrapper_claims import (
     claim,
@@ -74,7 +75,7 @@ from .registration import ParamRegistry
 from .schedule import GatherSchedule, ReduceSchedule
 from .step_tracking import OWNER, watch_optimizer_steps
 from .strategy import parse_strategy
-from .support import refuse_contradicting_keywords, refuse_unsupported
+from .support import refuse_contradicting_keywords, refuse_two_grad_wires, refuse_unsupported
 from .torch_internals import detach_for_saving
 from .units import UnitEntry, find_units, group_into_buckets, resolve_unit_classes
 
@@ -181,6 +182,7 @@ class MegatronFSDP(nn.Module):
         self.mp_policy = policy_from_config(ddp_config, mixed_precision_policy)
         self.device = _resolve_device(device, module, dist_index, init_model_with_meta_device)
         refuse_unsupported(ddp_config, dist_index, self.device)
+        refuse_two_grad_wires(ddp_config, self.mp_policy)
         self.outer = outer_replication(ddp_config, dist_index, self.sharding)
         meta = replace_meta_params(module, self.device) if init_model_with_meta_device else None
         unset = meta.placeholders if meta is not None else set()
@@ -243,6 +245,7 @@ class MegatronFSDP(nn.Module):
         group_grads, grad_slices = grad_storage(
             reduction_groups, layouts, specs, self.sharding, self.mp_policy, self.device
         )
+        grad_comm = GradCommWire.from_config(ddp_config)
         self.buckets = [
             FlatParamBucket(
                 i,
@@ -256,6 +259,7 @@ class MegatronFSDP(nn.Module):
                 unset,
                 gather_group=self.gather_group,
                 grad_storage=grad_slices.get(i),
+                grad_comm=grad_comm,
             )
             for i, spec in enumerate(specs)
         ]

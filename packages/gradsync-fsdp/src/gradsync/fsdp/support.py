@@ -12,6 +12,8 @@ import torch.distributed as dist
 from gradsync.buffers import DistributedDataParallelConfig, non_default_fields, non_default_values
 from gradsync.groups import FSDPDistributedIndex, get_backend_capabilities
 
+from .mixed_precision import MixedPrecisionPolicy
+
 CUDA_ONLY_FIELDS = (
     "nccl_ub",
     "fsdp_manual_registration",
@@ -32,12 +34,8 @@ NOT_YET_FIELDS = (
     "megatron_fsdp_enable_fine_grained_param_gather",
     "num_distributed_optimizer_instances",
     "delay_wgrad_compute",
-    "grad_comm_dtype",
-    "grad_comm_block_size",
-    "grad_comm_error_feedback",
 )
-"""Megatron-FSDP features gradsync-fsdp does not provide yet (``grad_comm_*``: gradsync-ddp's
-low-precision wire; ``megatron_fsdp_grad_comm_dtype`` sends and sums in a lower dtype)."""
+"""Megatron-FSDP features gradsync-fsdp does not provide yet."""
 
 DDP_ONLY_FIELDS = (
     "use_distributed_optimizer",
@@ -140,3 +138,15 @@ def refuse_contradicting_keywords(config: DistributedDataParallelConfig, keyword
                 f"MegatronFSDP: {name}=True was passed, but ddp_config.{name}={getattr(config, name)!r}; the "
                 f"keyword only applies when no ddp_config is given. Set ddp_config.{name}=True instead"
             )
+
+
+def refuse_two_grad_wires(config: DistributedDataParallelConfig, policy: MixedPrecisionPolicy) -> None:
+    """``grad_comm_dtype`` (a low-precision wire, summed in fp32 on arrival) and the policy's
+    ``grad_comm_dtype`` (``megatron_fsdp_grad_comm_dtype``: sent and summed in that dtype by the backend)
+    both choose what the reductions send: one of them would be ignored."""
+    if config.grad_comm_dtype is not None and policy.grad_comm_dtype is not None:
+        raise ValueError(
+            f"MegatronFSDP: ddp_config.grad_comm_dtype={config.grad_comm_dtype} (summed in fp32) and the "
+            f"mixed precision policy's grad_comm_dtype={policy.grad_comm_dtype} "
+            "(megatron_fsdp_grad_comm_dtype, summed in that dtype) both set the grad wire; keep one of them"
+        )
