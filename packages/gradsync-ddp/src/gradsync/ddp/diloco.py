@@ -1,0 +1,130 @@
+"""DiLoCo (local SGD with an outer optimizer): replicas that synchronise every few steps, not every step.
+
+Each replica steps its own inner optimizer on its own data for ``sync_every`` steps; no grad crosses the
+replicas' group in between. Then the replicas average how far each moved from the last synced weights
+(the pseudo-gradient: synced minus local), and an outer optimizer (SGD with Nesterov momentum, as the
+DiLoCo paper's) applies that average to the synced weights, which every replica then takes. One
+all-reduce of the weights every ``sync_every`` steps replaces a grad reduction every step.
+
+The inner optimizer may be anything that steps the params: a torch optimizer on a plain module, or on a
+gradsync ``DistributedDataParallel`` (with or without its ``DistributedOptimizer``) whose data-parallel
+group lies inside each replica. DiLoCo's ``group`` then joins the replicas: the ranks that hold the same
+piece of the model in different replicas (HSDP's outer group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.buffers import ensure_params_ready
+from gradsync.buffers.collectives import Launched, all_reduce
+from gradsync.buffers.low_precision_reduce import LowPrecisionReduction
+from gradsync.buffers.wire_format import HALF_WIRE_DTYPES, WireFormat, fp8_wire_dtypes, wire_dtype_names
+
+
+class DiLoCo:
+    """Steps ``inner_optimizer`` every call, and every ``sync_every`` calls averages the replicas' moves
+    over ``group`` (the default group when None) and applies the outer step.
+
+    ``wire_dtype``: send the pseudo-gradients in bf16, fp16 or fp8 (blocks of ``wire_block_size`` values
+    with one fp32 scale), summed in fp32 as ``grad_comm_dtype`` does; None sends fp32."""
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        inner_optimizer: Any,
+        sync_every: int,
+        *,
+        group: dist.ProcessGroup | None = None,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        wire_dtype: torch.dtype | None = None,
+        wire_block_size: int = 32,
+    ) -> None:
+        if sync_every < 1:
+            raise ValueError(f"DiLoCo: sync_every must be at least 1 step, got {sync_every}")
+        if wire_dtype is not None and wire_dtype not in (*HALF_WIRE_DTYPES, *fp8_wire_dtypes()):
+            raise ValueError(
+                f"DiLoCo: wire_dtype={wire_dtype} is not a wire dtype; use one of {wire_dtype_names()}"
+            )
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("DiLoCo: no trainable params given")
+        self.inner_optimizer = inner_optimizer
+        self.sync_every = sync_every
+        world = dist.group.WORLD if group is None else group
+        if world is None:
+            raise RuntimeError("DiLoCo: call torch.distributed.init_process_group() first (or pass group=)")
+        self.group: dist.ProcessGroup = world
+        self.wire = WireFormat(wire_dtype, wire_block_size) if wire_dtype is not None else None
+        with torch.no_grad():
+            ensure_params_ready(self.params)
+            self.synced = [nn.Parameter(p.detach().float().clone()) for p in self.params]
+        self.outer_optimizer = torch.optim.SGD(
+            self.synced, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
+        )
+        self.local_steps = 0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        """One inner step; every ``sync_every``-th also synchronises the replicas (a collective)."""
+        self.inner_optimizer.step()
+        self.local_steps += 1
+        if self.local_steps % self.sync_every == 0:
+            self.sync()
+
+    def sync(self) -> None:
+        """Average the replicas' pseudo-gradients over the group, step the synced weights with the outer
+        optimizer, and give every replica the result."""
+        ensure_params_ready(self.params)  # a distributed optimizer may still be gathering them
+        with torch.no_grad():
+            moves = torch.cat(
+                [(s - p.float()).reshape(-1) for s, p in zip(self.synced, self.params, strict=True)]
+            )
+            self._average(moves).wait()
+            sizes = [s.numel() for s in self.synced]
+            for synced, move in zip(self.synced, torch.split(moves, sizes), strict=True):
+                synced.grad = move.view_as(synced)
+        self.outer_optimizer.step()
+        with torch.no_grad():
+            for synced, param in zip(self.synced, self.params, strict=True):
+                param.copy_(synced)
+        reload = getattr(self.inner_optimizer, "reload_model_params", None)
+        if reload is not None:  # gradsync's DistributedOptimizer: its fp32 main params follow the weights
+            reload()
+
+    def _average(self, moves: torch.Tensor) -> Launched:
+        if self.wire is None:
+            return all_reduce(moves, self.group, average=True, label="diloco")
+        reduction = LowPrecisionReduction(moves, self.group, self.wire, average=True, residual=None)
+        return reduction.all_reduce("diloco")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state, the outer optimizer's (its momentum), the synced weights and the
+        step count: what a resumed run needs to take the same steps."""
+        return {
+            "inner": self.inner_optimizer.state_dict(),
+            "outer": self.outer_optimizer.state_dict(),
+            "synced": [s.detach().clone() for s in self.synced],
+            "local_steps": self.local_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["synced"]) != len(self.synced):
+            raise ValueError(
+                f"DiLoCo: the state holds {len(state['synced'])} synced weights for {len(self.synced)} params"
+            )
+        self.inner_optimizer.load_state_dict(state["inner"])
+        self.outer_optimizer.load_state_dict(state["outer"])
+        with torch.no_grad():
+            for synced, saved in zip(self.synced, state["synced"], strict=True):
+                synced.copy_(saved)
+        self.local_steps = int(state["local_steps"])

@@ -1,0 +1,168 @@
+"""DiLoCo on gloo ranks, each replica training on its own data: the weights equal the replicas simulated in
+one process (inner Adam steps, the averaged pseudo-gradient, Nesterov outer steps written out by hand);
+replicas agree right after a sync and drift apart between syncs; a low-precision wire stays near the
+fp32 one; and replicas that are themselves DistributedDataParallel groups (plain or with the distributed
+optimizer) synchronise over the outer group as one process per replica would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_testkit import TinyGPT, flat_params, global_batch, local_microbatches, make_optimizer
+
+from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.ddp import DiLoCo, DistributedDataParallel, DistributedOptimizer
+from gradsync.groups import ModelParallelConfig, ProcessGroupCollection
+from gradsync.groups.testing import run_distributed
+
+SYNC_EVERY, STEPS, OUTER_LR, OUTER_MOMENTUM = 3, 7, 0.7, 0.9  # two syncs, then one local step
+
+
+def simulated(replicas: int, batch_of: Any) -> list[torch.Tensor]:
+    """Every replica's weights after STEPS, in one process: ``batch_of(step, replica)`` is its data."""
+    models = [TinyGPT() for _ in range(replicas)]
+    inner = [make_optimizer("adam", m.parameters()) for m in models]
+    synced = [p.detach().clone() for p in models[0].parameters()]
+    momentum: list[torch.Tensor] | None = None
+    for step in range(STEPS):
+        for replica, (model, optimizer) in enumerate(zip(models, inner, strict=True)):
+            optimizer.zero_grad()
+            model(batch_of(step, replica)).backward()
+            optimizer.step()
+        if (step + 1) % SYNC_EVERY:
+            continue
+        moves = [sum(s - p.detach() for p in params) / replicas for s, *params in
+                 zip(synced, *(m.parameters() for m in models), strict=True)]  # fmt: skip
+        # torch's SGD with Nesterov momentum: buf = m * buf + g (buf = g at first); step g + m * buf
+        momentum = (
+            moves
+            if momentum is None
+            else [OUTER_MOMENTUM * b + g for b, g in zip(momentum, moves, strict=True)]
+        )
+        synced = [s - OUTER_LR * (g + OUTER_MOMENTUM * b) for s, g, b in
+                  zip(synced, moves, momentum, strict=True)]  # fmt: skip
+        with torch.no_grad():
+            for model in models:
+                for param, value in zip(model.parameters(), synced, strict=True):
+                    param.copy_(value)
+    return [flat_params(m) for m in models]
+
+
+def train_plain(wire_dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """This rank's weights after every step (each rank one replica, its own batches)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = TinyGPT()
+    diloco = DiLoCo(
+        model.parameters(), make_optimizer("adam", model.parameters()), SYNC_EVERY, outer_lr=OUTER_LR,
+        outer_momentum=OUTER_MOMENTUM, wire_dtype=wire_dtype,
+    )  # fmt: skip
+    history = []
+    for step in range(STEPS):
+        diloco.zero_grad()
+        model(local_microbatches(step, rank, world, 1)[0]).backward()
+        diloco.step()
+        history.append(flat_params(model))
+    return history
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_diloco_equals_its_replicas_simulated_in_one_process(world: int) -> None:
+    want = simulated(world, lambda step, replica: local_microbatches(step, replica, world, 1)[0])
+    runs = run_distributed(train_plain, world, args=(None,))
+    for rank, history in enumerate(runs):
+        assert relative(history[-1], want[rank]) <= 1e-6, rank
+    for step, states in enumerate(zip(*runs, strict=True)):
+        agree = all(torch.equal(states[0], s) for s in states)
+        assert agree == ((step + 1) % SYNC_EVERY == 0), f"step {step}: replicas agree={agree}"
+
+
+def test_a_low_precision_wire_stays_near_the_fp32_one() -> None:
+    exact = run_distributed(train_plain, 2, args=(None,))
+    cheap = run_distributed(train_plain, 2, args=(torch.bfloat16,))
+    for fp32, bf16 in zip(exact, cheap, strict=True):
+        assert 0 < relative(bf16[-2], fp32[-2]) <= 1e-3  # right after the second sync
+
+
+def train_replicated_groups(distopt: bool) -> torch.Tensor:
+    """World 4: two DistributedDataParallel replicas of 2 ranks ({0, 1} and {2, 3}), joined by DiLoCo
+    over {0, 2} and {1, 3}."""
+    rank = dist.get_rank()
+    inner_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    outer_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, inner_rank = divmod(rank, 2)
+    inner = inner_groups[replica]
+    model = TinyGPT()
+    config = DistributedDataParallelConfig(use_distributed_optimizer=distopt)
+    ddp = DistributedDataParallel(
+        ModelParallelConfig(), config, model, pg_collection=ProcessGroupCollection(dp=inner, dp_cp=inner)
+    )
+    optimizer: Any = make_optimizer("adam", ddp.parameters())
+    if distopt:
+        optimizer = DistributedOptimizer(optimizer, ddp)
+    diloco = DiLoCo(ddp.parameters(), optimizer, SYNC_EVERY, group=outer_groups[inner_rank],
+                    outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)  # fmt: skip
+    for step in range(STEPS):
+        ddp.zero_grad_buffer()
+        diloco.zero_grad()
+        ddp(local_microbatches(2 * step + replica, inner_rank, 2, 1)[0]).backward()
+        ddp.finish_grad_sync()
+        diloco.step()
+    return flat_params(model)
+
+
+@pytest.mark.parametrize("distopt", [False, True], ids=["ddp", "distopt"])
+def test_diloco_over_the_outer_group_of_data_parallel_replicas(distopt: bool) -> None:
+    want = simulated(2, lambda step, replica: global_batch(2 * step + replica, 2, 1))
+    for rank, got in enumerate(run_distributed(train_replicated_groups, 4, args=(distopt,))):
+        assert relative(got, want[rank // 2]) <= 1e-6, rank
+
+
+def test_bad_arguments_are_refused_by_name() -> None:
+    model = TinyGPT()
+    optimizer = make_optimizer("adam", model.parameters())
+    with pytest.raises(ValueError, match="sync_every must be at least 1 step, got 0"):
+        DiLoCo(model.parameters(), optimizer, 0)
+    with pytest.raises(ValueError, match=r"wire_dtype=torch\.float32 is not a wire dtype"):
+        DiLoCo(model.parameters(), optimizer, 2, wire_dtype=torch.float32)
+
+
+def main_params_after_a_sync() -> list[bool]:
+    """Each rank a replica of its own (a DDP group of one) with bf16 weights and fp32 main params: whether
+    the distributed optimizer's main params equal the model's weights after each step."""
+    rank = dist.get_rank()
+    own = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+    model = TinyGPT().to(torch.bfloat16)
+    config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    ddp = DistributedDataParallel(
+        ModelParallelConfig(), config, model, pg_collection=ProcessGroupCollection(dp=own, dp_cp=own)
+    )
+    optimizer = DistributedOptimizer(make_optimizer("adam", ddp.parameters()), ddp)
+    diloco = DiLoCo(ddp.parameters(), optimizer, SYNC_EVERY)
+    followed = []
+    for step in range(STEPS):
+        ddp.zero_grad_buffer()
+        diloco.zero_grad()
+        ddp(local_microbatches(step, rank, 2, 1)[0]).backward()
+        ddp.finish_grad_sync()
+        diloco.step()
+        followed.append(all(
+            torch.equal(shard.main, shard.buffer.param_data[shard.lo : shard.hi].float())  # type: ignore[index]
+            for shard in optimizer.shards
+        ))  # fmt: skip
+    return followed
+
+
+def test_the_distributed_optimizers_main_params_take_the_synced_weights() -> None:
+    """bf16 weights: the fp32 main params are a copy, which a sync must refresh (the next inner step
+    starts from them)."""
+    for followed in run_distributed(main_params_after_a_sync, 2):
+        synced_steps = [step for step in range(STEPS) if (step + 1) % SYNC_EVERY == 0]
+        assert all(followed[step] for step in synced_steps), followed
+        assert not all(followed), followed  # between syncs they hold more than bf16 can show
