@@ -19,6 +19,7 @@ from torch.nn import Parameter
 
 from . import collectives
 from .buffer import ParamAndGradBucket, ParamAndGradBuffer
+from .comm_hook import RegisteredHook
 from .config import DistributedDataParallelConfig
 from .foreign_config import as_ddp_config
 from .grad_checks import LargeGradDetector, LocalGradNorms, check_grads, non_finite_ranks, report_grad_norms
@@ -86,6 +87,9 @@ class ParamAndGradBucketGroup:
         self._grad_norms_recorded = False
         self.grad_comm_wire = GradCommWire.from_config(ddp_config)
         """The low-precision wire (``grad_comm_dtype``) the reductions send, if any."""
+        self.comm_hook: RegisteredHook | None = None
+        """A torch-DDP-style comm hook that reduces each bucket instead."""
+        self.hook_bucket_offset = 0  # the index the hook sees for this group's first bucket
 
     # --- iteration state -------------------------------------------------------------------------
 
@@ -162,10 +166,14 @@ class ParamAndGradBucketGroup:
             for position, bucket in enumerate(self.buckets):
                 self.grad_norms.record(position, bucket.grad_data)
             self._grad_norms_recorded = True
+        # A comm hook averages (as torch's do): hand it the grads that make its mean gradsync's scaled sum.
+        to_mean = (
+            self.collective_group_size if self.comm_hook and not self.ddp_config.average_in_collective else 1
+        )
         with torch.no_grad():
             for bucket in self.buckets:
-                if bucket.gradient_scaling_factor != 1.0:
-                    bucket.grad_data *= bucket.gradient_scaling_factor
+                if bucket.gradient_scaling_factor * to_mean != 1.0:
+                    bucket.grad_data *= bucket.gradient_scaling_factor * to_mean
 
         launched = collectives.Launched()
         records = []
@@ -174,6 +182,10 @@ class ParamAndGradBucketGroup:
         group = self.collective_group
         for position, bucket in enumerate(self.buckets):
             op = "reduce_scatter" if reduce_scatter else "all_reduce"
+            if self.comm_hook is not None:
+                records.append(self._record(op, bucket.grad_data))
+                launched.extend(self._launch_hook(position, bucket))
+                continue
             if self.grad_comm_wire is not None:
                 sent, reduction = self.grad_comm_wire.launch(
                     position,
@@ -208,6 +220,12 @@ class ParamAndGradBucketGroup:
             self.grad_reduce_handle = launched
         else:
             launched.wait()
+
+    def _launch_hook(self, position: int, bucket: ParamAndGradBucket) -> collectives.Launched:
+        assert self.comm_hook is not None
+        work = self.comm_hook.launch(bucket, self.hook_bucket_offset + position)
+        launched = collectives.Launched([work])
+        return launched.record("all_reduce", f"{self.label}.hook", bucket.grad_data, self.collective_group)
 
     def _then_across_instances(
         self, within: collectives.Launched, inter: dist.ProcessGroup, reduce_scatter: bool

@@ -32,6 +32,7 @@ from gradsync.buffers import (
     settings_of,
 )
 from gradsync.buffers.bucket_group import ParamAndGradBucketGroup
+from gradsync.buffers.comm_hook import CommHook, RegisteredHook
 from gradsync.buffers.shard_alignment import (
     ShardAlignmentSpec,
     ShardBalance,
@@ -345,6 +346,35 @@ class DistributedDataParallel(_BaseDataParallel):
         finally:
             for group in groups:
                 group.is_last_microbatch = True
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` instead: torch DDP's method and protocol
+        (gradsync's addition; Megatron-Core's wrapper has none), so torch's own hooks run unchanged,
+        PowerSGD among them (``torch.distributed.algorithms.ddp_comm_hooks``). The hook returns a future of
+        the bucket's grads averaged over the data-parallel group. Register it once, before the first
+        backward."""
+        groups = self.grad_buffers.all_bucket_groups
+        if self.ddp_config.use_distributed_optimizer:
+            raise NotImplementedError(
+                "DistributedDataParallel.register_comm_hook: a hook returns whole reduced buckets, but "
+                "use_distributed_optimizer=True reduce-scatters them; use grad_comm_dtype to compress there"
+            )
+        if self.ddp_config.grad_comm_dtype is not None:
+            raise ValueError(
+                "DistributedDataParallel.register_comm_hook: grad_comm_dtype already sets how buckets are "
+                "reduced; unset it, or keep it and register no hook"
+            )
+        if self.expert_parallel_bucket_groups:
+            raise NotImplementedError(
+                "DistributedDataParallel.register_comm_hook: expert params reduce over the expert "
+                "data-parallel group, which a hook's state does not name; not supported with experts"
+            )
+        if any(group.comm_hook is not None for group in groups):
+            raise RuntimeError("DistributedDataParallel.register_comm_hook can only be called once")
+        registered, offset = RegisteredHook(state, hook, sum(len(group.buckets) for group in groups)), 0
+        for group in groups:
+            group.comm_hook, group.hook_bucket_offset = registered, offset
+            offset += len(group.buckets)
 
     def start_grad_sync(self, *unused: Any) -> None:
         """Launch every bucket group's reduction now (async with overlap_grad_reduce)."""

@@ -1,0 +1,90 @@
+"""Communication hooks on gradsync's buckets, in torch DDP's protocol: ``hook(state, bucket)`` returns a
+``torch.futures.Future`` of the bucket's reduced (averaged) grads.
+
+The bucket handed to the hook answers what torch's ``dist.GradBucket`` answers (``index()``, ``buffer()``,
+``gradients()``, ``parameters()``, ``is_last()``, ``set_buffer()``), so torch's own hooks run unchanged:
+``torch.distributed.algorithms.ddp_comm_hooks``'s ``allreduce_hook``, ``bf16_compress_hook`` and
+``powerSGD_hook`` (rank-r compression per matrix, error feedback, warm start) among them. A hook averages
+over its group as torch's do, so the grads are handed over scaled by the bucket's scaling factor times the
+group size (1 for the default 1/dp factor): the hook's average then equals gradsync's scaled sum.
+
+A hook may chain collectives in its future's callbacks (PowerSGD all-reduces P, then Q), which issue them
+whenever the previous one completes. Every rank must issue collectives in the same order, so a bucket is
+handed to the hook only once the previous bucket's future has completed: the hooks' collectives never
+interleave, at the cost of overlapping one bucket's reduction at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn import Parameter
+
+from .buffer import ParamAndGradBucket
+
+CommHook = Callable[[Any, "HookBucket"], "torch.futures.Future[Any]"]
+"""``hook(state, bucket)``: a future of the bucket's reduced grads (a tensor, or a list of one)."""
+
+
+class HookBucket:
+    """One bucket as a comm hook sees it. ``index`` counts the model's buckets in reduction order: the
+    first is reduced first (it holds the last layers), the last one ends the iteration."""
+
+    def __init__(self, bucket: ParamAndGradBucket, index: int, count: int) -> None:
+        self._bucket, self._index, self._count = bucket, index, count
+        self._buffer = bucket.grad_data
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._index == self._count - 1
+
+    def buffer(self) -> torch.Tensor:
+        """The bucket's flat grads (padding included: zeros that every hook leaves meaningless)."""
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def parameters(self) -> list[Parameter]:
+        return list(self._bucket.params_list)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Each param's grad, a view into :meth:`buffer` (so writing into it writes the bucket)."""
+        return [param.main_grad for param in self._bucket.params_list]  # type: ignore[attr-defined]
+
+
+class HookWork:
+    """A hook's future as a collective's work: waiting it lands the reduced grads in the bucket."""
+
+    def __init__(self, future: torch.futures.Future[Any], bucket: torch.Tensor) -> None:
+        self.future, self.bucket = future, bucket
+
+    def is_completed(self) -> bool:
+        return bool(self.future.done())
+
+    def wait(self) -> None:
+        reduced = self.future.wait()
+        if isinstance(reduced, list):  # torch's collective futures hold a list of one tensor
+            (reduced,) = reduced
+        if reduced.data_ptr() != self.bucket.data_ptr():
+            self.bucket.copy_(reduced.view_as(self.bucket))
+
+
+class RegisteredHook:
+    """A wrapper's registered hook: its state, the number of buckets it sees, and the future of the last
+    bucket handed to it (waited before the next one is)."""
+
+    def __init__(self, state: Any, hook: CommHook, count: int) -> None:
+        self.state, self.hook, self.count = state, hook, count
+        self._pending: HookWork | None = None
+
+    def launch(self, bucket: ParamAndGradBucket, index: int) -> HookWork:
+        if self._pending is not None:
+            self._pending.future.wait()
+        work = HookWork(self.hook(self.state, HookBucket(bucket, index, self.count)), bucket.grad_data)
+        self._pending = work
+        return work
