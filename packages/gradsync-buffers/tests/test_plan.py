@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gradsync.buffers.matrix_optim import newton_schulz
 from gradsync.buffers.plan import PUBLISHED, LinkCosts, predict, recommend_bucket_size, specs_from_shapes
-from gradsync.buffers.plan.__main__ import gpt_shapes, gpt_units, module_shapes
+from gradsync.buffers.plan.__main__ import gpt_shapes, gpt_units, grad_wire, module_shapes
 from gradsync.buffers.plan.muon import busiest_rank_flops, newton_schulz_flops
 from gradsync.buffers.plan.predict import ADAM_STATE_BYTES, FP32, bucket_sizes
 from gradsync.buffers.shard_alignment import parse_shard_alignment
@@ -191,3 +191,31 @@ def test_command_line_reports_muon_on_the_busiest_rank() -> None:
     rows = [line for line in out.stdout.split("Muon")[-1].splitlines() if line.startswith("| 2 ")]
     flops = busiest_rank_flops(gpt_shapes(64, 2, 100)[1:], 2)
     assert rows == [f"| 2 | {flops / 1e9:.1f} | {flops / 1e9:.2f} | {(3e-3 + flops / 1e12) / 3e-3:.3f}x |"]
+
+
+@pytest.mark.parametrize(("name", "per_value"), [("bf16", 2.0), ("fp8", 1.0 + 4 / 32)])
+def test_a_low_precision_grad_wire_scales_only_the_reductions(name: str, per_value: float) -> None:
+    """The reductions' bytes shrink by the wire's bytes per value over fp32's 4, the α terms do not, and
+    the params' all-gathers stay fp32; an all-reduce becomes an all-to-all and an all-gather (a ring,
+    never NCCL's tree)."""
+    wire = grad_wire(name, 32)
+    assert wire.value_bytes == per_value
+    dp, size = 16, 200_000
+    fp32 = {
+        s: predict(s, SPECS, dp, COSTS, bucket_size=size, units=UNITS) for s in ("ddp", "distopt", "zero3")
+    }
+    low = {s: predict(s, SPECS, dp, COSTS, bucket_size=size, units=UNITS, wire=wire) for s in fp32}
+    ratio = per_value / FP32
+    assert low["ddp"].wire_bytes == pytest.approx(fp32["ddp"].wire_bytes * ratio)
+    assert low["distopt"].wire_bytes == pytest.approx(fp32["distopt"].wire_bytes * (1 + ratio) / 2)
+    for strategy in ("ddp", "distopt"):  # ring costs: the same message steps, fewer bytes
+        assert low[strategy].latency_seconds == pytest.approx(fp32[strategy].latency_seconds)
+    bandwidth = {s: p.comm_seconds - p.latency_seconds for s, p in fp32.items()}
+    assert low["ddp"].comm_seconds - low["ddp"].latency_seconds == pytest.approx(bandwidth["ddp"] * ratio)
+    assert low["distopt"].comm_seconds - low["distopt"].latency_seconds == pytest.approx(
+        bandwidth["distopt"] * (1 + ratio) / 2
+    )
+    assert fp32["zero3"].comm_seconds > low["zero3"].comm_seconds > fp32["zero3"].comm_seconds * 2 / 3
+    tree = LinkCosts.uniform("t", alpha=1e-5, busbw_gbps=10.0, source="", tree_all_reduce=True)
+    huge_dp = predict("ddp", SPECS, 1024, tree, bucket_size=size, wire=wire)
+    assert huge_dp.latency_seconds == pytest.approx(2 * 1023 * 1e-5 * huge_dp.buckets)  # ring steps

@@ -7,6 +7,7 @@
 
 ``zero3`` needs the FSDP units: ``--gpt`` knows them (one per block), ``--module`` takes them from
 ``--unit-class``, a ``--shapes`` file gives them as ``{"shapes": [...], "units": [id or null, ...]}``.
+    python -m gradsync.buffers.plan --gpt 8192 80 32000 --dp 512 --costs nccl-100g --grad-comm fp8
     python -m gradsync.buffers.plan --calibrate gloo.json                    (measure gloo's α and β here)
 """
 
@@ -24,7 +25,7 @@ from ..shard_alignment import parse_shard_alignment
 from . import calibrate
 from .costs import PUBLISHED, LinkCosts
 from .muon import busiest_rank_flops
-from .predict import STRATEGIES, Prediction, predict, recommend_bucket_size, specs_from_shapes
+from .predict import STRATEGIES, GradWire, Prediction, predict, recommend_bucket_size, specs_from_shapes
 
 CANDIDATES = (1_000_000, 4_000_000, 10_000_000, 25_000_000, 40_000_000, 100_000_000)
 
@@ -59,6 +60,18 @@ def module_shapes(
             unit = len({*unit_of.values()})
             unit_of.update((id(p), unit) for p in module.parameters())
     return shapes, [unit_of.get(id(p)) for p in model.parameters()]
+
+
+WIRE_BYTES = {"fp32": None, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
+"""``--grad-comm``: payload bytes per value (None: fp32 through the backend's own reduction)."""
+
+
+def grad_wire(name: str, block_size: int) -> GradWire:
+    """``--grad-comm``'s wire; fp8 adds its fp32 scale per block."""
+    payload = WIRE_BYTES[name]
+    if payload is None:
+        return GradWire()
+    return GradWire(payload + (4 / block_size if name == "fp8" else 0.0))
 
 
 def costs_from(name: str) -> LinkCosts:
@@ -100,6 +113,14 @@ def main() -> None:
         default="row",
         help="policy of every matrix param (row, tensor, block:k, block:RxC): its padding is reported",
     )
+    parser.add_argument(
+        "--grad-comm",
+        default="fp32",
+        choices=list(WIRE_BYTES),
+        help="what grad reductions send: fp32 reduced by the backend, or a low-precision wire summed in "
+        "fp32 (grad_comm_dtype; fp8 with one fp32 scale per --grad-comm-block-size values)",
+    )
+    parser.add_argument("--grad-comm-block-size", type=int, default=32)
     parser.add_argument("--forward-ms", type=float, default=0.0)
     parser.add_argument("--backward-ms", type=float, default=0.0)
     parser.add_argument(
@@ -128,8 +149,10 @@ def main() -> None:
         shapes, units = module_shapes(args.module, args.unit_class)
     specs: list[ParamSpec] = specs_from_shapes(shapes, parse_shard_alignment(args.shard_alignment))
     costs = costs_from(args.costs)
+    wire = grad_wire(args.grad_comm, args.grad_comm_block_size)
     forward, backward = args.forward_ms / 1e3, args.backward_ms / 1e3
-    print(f"{sum(s.numel for s in specs) / 1e6:.1f}M params; costs: {costs.name} ({costs.source})\n")
+    print(f"{sum(s.numel for s in specs) / 1e6:.1f}M params; costs: {costs.name} ({costs.source})")
+    print(f"grad wire: {args.grad_comm} ({wire.value_bytes:g} bytes per value)\n")
     print("| strategy | dp | bucket | buckets | comm ms | exposed ms | bound | wire MiB/rank | peak GiB/rank "
           "| padding MiB | recommended bucket |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -138,12 +161,12 @@ def main() -> None:
             print("| zero3 |" + " - |" * 9 + " needs units (--unit-class, or units in --shapes) |")
             continue
         for dp in args.dp:
-            p = predict(strategy, specs, dp, costs, bucket_size=args.bucket_size,
-                        forward_seconds=forward, backward_seconds=backward, units=units)  # fmt: skip
+            p = predict(strategy, specs, dp, costs, bucket_size=args.bucket_size, forward_seconds=forward,
+                        backward_seconds=backward, units=units, wire=wire)  # fmt: skip
             if strategy == "zero3":  # buckets are the FSDP units, not a size
                 print(row(p, "- (per unit)"))
                 continue
-            best = recommend_bucket_size(specs, dp, costs, strategy, CANDIDATES, forward, backward)
+            best = recommend_bucket_size(specs, dp, costs, strategy, CANDIDATES, forward, backward, wire)
             print(row(p, f"{best.bucket_size / 1e6:g}M"))
     if args.muon_tflops:  # --gpt: its tied embedding (the first shape) stays with AdamW, as Moonlight's
         print_muon(shapes[1:] if args.gpt else shapes, args.dp, args.muon_tflops, forward + backward)

@@ -72,4 +72,12 @@ PUBLISHED = {
         "figures); alpha 10 us assumed",
         tree_all_reduce=True,
     ),
+    "nccl-100g": LinkCosts.uniform(
+        "nccl-100g",
+        alpha=10e-6,
+        busbw_gbps=11.25,
+        source="one 100 Gb/s NIC per GPU (12.5 GB/s line rate), 90 % of it as busbw, as nccl-h100-ib assumes "
+        "of its 400 Gb/s NIC; alpha 10 us assumed",
+        tree_all_reduce=True,
+    ),
 }

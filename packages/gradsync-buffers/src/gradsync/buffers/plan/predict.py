@@ -37,6 +37,37 @@ ADAM_STATE_BYTES = 8
 
 
 @dataclass(frozen=True)
+class GradWire:
+    """What a grad reduction sends per value: fp32 reduced by the backend (``bytes_per_value`` None), or a
+    low-precision wire summed in fp32 (``grad_comm_dtype``): an all-to-all priced as a ring reduce-scatter
+    of the packed bytes, and, for an all-reduce, an all-gather of the packed sums (never NCCL's tree). The
+    packing's own compute is not priced."""
+
+    bytes_per_value: float | None = None
+
+    def collectives(self, kind: str, size: int) -> list[tuple[str, float]]:
+        """The collectives, with their bytes, that reduce ``size`` values as ``kind``."""
+        if self.bytes_per_value is None:
+            return [(kind, size * FP32)]
+        packed = size * self.bytes_per_value
+        return (
+            [("reduce_scatter", packed), ("all_gather", packed)]
+            if kind == "all_reduce"
+            else [("reduce_scatter", packed)]
+        )
+
+    def seconds(self, kind: str, size: int, costs: LinkCosts, dp: int) -> float:
+        return sum(costs.time(k, nbytes, dp) for k, nbytes in self.collectives(kind, size))
+
+    @property
+    def value_bytes(self) -> float:
+        return FP32 if self.bytes_per_value is None else self.bytes_per_value
+
+
+FP32_WIRE = GradWire()
+
+
+@dataclass(frozen=True)
 class Prediction:
     strategy: str
     dp: int
@@ -118,13 +149,15 @@ def _channel(events: Sequence[tuple[float, float]]) -> tuple[float, list[float]]
     return sum(d for _, d in events), ends
 
 
-def _reduce_exposed(sizes: Sequence[int], kind: str, costs: LinkCosts, dp: int, backward: float) -> float:
+def _reduce_exposed(
+    sizes: Sequence[int], kind: str, costs: LinkCosts, dp: int, backward: float, wire: GradWire
+) -> float:
     """Buckets reduced as the backward fills them: how long after the backward the last one ends."""
     total = sum(sizes)
     ready, events = 0, []
     for size in sizes:
         ready += size
-        events.append((backward * ready / total, costs.time(kind, size * FP32, dp)))
+        events.append((backward * ready / total, wire.seconds(kind, size, costs, dp)))
     _, ends = _channel(events)
     return max(0.0, ends[-1] - backward) if ends else 0.0
 
@@ -141,7 +174,9 @@ def _gather_exposed(sizes: Sequence[int], costs: LinkCosts, dp: int, forward: fl
     return stall
 
 
-def _zero3_exposed(sizes: Sequence[int], costs: LinkCosts, dp: int, forward: float, backward: float) -> float:
+def _zero3_exposed(
+    sizes: Sequence[int], costs: LinkCosts, dp: int, forward: float, backward: float, wire: GradWire
+) -> float:
     """Units in forward order: gather unit i+1 while unit i computes (one unit prefetched), in the
     forward and again in the backward, where each unit's reduce-scatter follows its backward."""
     units = list(reversed(sizes))
@@ -159,7 +194,7 @@ def _zero3_exposed(sizes: Sequence[int], costs: LinkCosts, dp: int, forward: flo
                 channel_free = gathered
             compute = start + phase_time * size / total
             if reduce:
-                channel_free = max(channel_free, compute) + costs.time("reduce_scatter", size * FP32, dp)
+                channel_free = max(channel_free, compute) + wire.seconds("reduce_scatter", size, costs, dp)
         if reduce:
             stall += max(0.0, channel_free - compute)
     return stall
@@ -176,9 +211,11 @@ def predict(
     backward_seconds: float = 0.0,
     pad_for_high_nccl_busbw: bool = False,
     units: Sequence[int | None] | None = None,
+    wire: GradWire = FP32_WIRE,
 ) -> Prediction:
     """One step of ``strategy`` at ``dp`` ranks; ``bucket_size`` defaults to the reference's rule.
-    ``units`` (``zero3`` only, required there): each spec's FSDP unit, None outside every unit."""
+    ``units`` (``zero3`` only, required there): each spec's FSDP unit, None outside every unit. ``wire``:
+    what the grad reductions send (params are gathered in fp32 whatever it is)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
     size = bucket_size if bucket_size is not None else default_bucket_size(dp)
@@ -187,24 +224,24 @@ def predict(
     psi = sum(numels)
     if strategy == "zero3":
         return _predict_zero3(numels, cuts, dp, costs, size, forward_seconds, backward_seconds,
-                              pad_for_high_nccl_busbw, units)  # fmt: skip
+                              pad_for_high_nccl_busbw, units, wire)  # fmt: skip
     sizes = bucket_sizes(numels, size, dp, pad_for_high_nccl_busbw, cuts)
     share = (dp - 1) / dp
     padded = sum(sizes)
-    collectives: list[tuple[str, int]] = []
+    collectives: list[tuple[str, float]] = []
     if strategy == "ddp":
-        collectives = [("all_reduce", s) for s in sizes]
-        wire = 2 * share * padded * FP32
+        collectives = [c for s in sizes for c in wire.collectives("all_reduce", s)]
+        sent = 2 * share * padded * wire.value_bytes
         peak: float = padded * FP32 * 2 + psi * ADAM_STATE_BYTES
-        exposed = _reduce_exposed(sizes, "all_reduce", costs, dp, backward_seconds)
+        exposed = _reduce_exposed(sizes, "all_reduce", costs, dp, backward_seconds, wire)
     elif strategy == "distopt":
-        collectives = [("reduce_scatter", s) for s in sizes] + [("all_gather", s) for s in sizes]
-        wire = 2 * share * padded * FP32
+        collectives = [c for s in sizes for c in wire.collectives("reduce_scatter", s)]
+        collectives += [("all_gather", s * FP32) for s in sizes]
+        sent = share * padded * (wire.value_bytes + FP32)
         peak = padded * FP32 * 2 + padded / dp * ADAM_STATE_BYTES
-        exposed = _reduce_exposed(sizes, "reduce_scatter", costs, dp, backward_seconds) + _gather_exposed(
-            sizes, costs, dp, forward_seconds
-        )
-    return _prediction(strategy, dp, size, len(sizes), costs, collectives, exposed, wire, peak,
+        exposed = _reduce_exposed(sizes, "reduce_scatter", costs, dp, backward_seconds, wire)
+        exposed += _gather_exposed(sizes, costs, dp, forward_seconds)
+    return _prediction(strategy, dp, size, len(sizes), costs, collectives, exposed, sent, peak,
                        (padded - psi) * FP32,
                        overlapped=forward_seconds > 0.0 or backward_seconds > 0.0)  # fmt: skip
 
@@ -215,18 +252,18 @@ def _prediction(
     size: int,
     buckets: int,
     costs: LinkCosts,
-    collectives: list[tuple[str, int]],
+    collectives: list[tuple[str, float]],
     exposed: float,
-    wire: float,
+    sent: float,
     peak: float,
     padding: float,
     overlapped: bool,
 ) -> Prediction:
-    terms = [costs.terms(kind, s * FP32, dp) for kind, s in collectives]
+    terms = [costs.terms(kind, nbytes, dp) for kind, nbytes in collectives]
     comm = sum(a + b for a, b in terms)
     latency = sum(a for a, _ in terms)
     return Prediction(
-        strategy, dp, size, buckets, comm, exposed if overlapped else comm, latency, wire, peak, padding
+        strategy, dp, size, buckets, comm, exposed if overlapped else comm, latency, sent, peak, padding
     )
 
 
@@ -240,6 +277,7 @@ def _predict_zero3(
     backward: float,
     pad: bool,
     units: Sequence[int | None] | None,
+    wire: GradWire,
 ) -> Prediction:
     if units is None or len(units) != len(numels):
         raise ValueError("zero3 needs each param's FSDP unit (units=[unit id or None per param])")
@@ -259,17 +297,16 @@ def _predict_zero3(
     other_sizes = fsdp_bucket_sizes(outside, size, dp, pad, outside_cuts) if outside else []
     share, padded = (dp - 1) / dp, sum(unit_sizes) + sum(other_sizes)
     gathered = [*unit_sizes, *unit_sizes[:-1], *other_sizes]  # the last unit is kept into the backward
-    collectives = [("all_gather", s) for s in gathered] + [
-        ("reduce_scatter", s) for s in (*unit_sizes, *other_sizes)
-    ]
-    wire = share * (sum(gathered) + padded) * FP32
+    collectives: list[tuple[str, float]] = [("all_gather", s * FP32) for s in gathered]
+    collectives += [c for s in (*unit_sizes, *other_sizes) for c in wire.collectives("reduce_scatter", s)]
+    sent = share * (sum(gathered) * FP32 + padded * wire.value_bytes)
     largest, whole = max(unit_sizes), sum(other_sizes)
     peak = padded / dp * (FP32 * 2 + ADAM_STATE_BYTES) + (2 * whole + 2 * largest + 3 * largest) * FP32
-    exposed = _zero3_exposed(list(reversed(unit_sizes)), costs, dp, forward, backward)
-    exposed += sum(costs.time("all_gather", s * FP32, dp) + costs.time("reduce_scatter", s * FP32, dp)
+    exposed = _zero3_exposed(list(reversed(unit_sizes)), costs, dp, forward, backward, wire)
+    exposed += sum(costs.time("all_gather", s * FP32, dp) + wire.seconds("reduce_scatter", s, costs, dp)
                    for s in other_sizes)  # fmt: skip
     return _prediction("zero3", dp, size, len(unit_sizes) + len(other_sizes), costs, collectives, exposed,
-                       wire, peak, (padded - sum(numels)) * FP32,
+                       sent, peak, (padded - sum(numels)) * FP32,
                        overlapped=forward > 0.0 or backward > 0.0)  # fmt: skip
 
 
@@ -281,11 +318,12 @@ def recommend_bucket_size(
     candidates: Sequence[int],
     forward_seconds: float,
     backward_seconds: float,
+    wire: GradWire = FP32_WIRE,
 ) -> Prediction:
     """The candidate with the least exposed time (then the least total comm time)."""
     predictions = [
         predict(strategy, specs, dp, costs, bucket_size=c, forward_seconds=forward_seconds,
-                backward_seconds=backward_seconds)
+                backward_seconds=backward_seconds, wire=wire)
         for c in candidates
     ]  # fmt: skip
     return min(predictions, key=lambda p: (round(p.exposed_seconds, 9), p.comm_seconds))
