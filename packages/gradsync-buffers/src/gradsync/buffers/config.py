@@ -122,6 +122,13 @@ class DistributedDataParallelConfig:
     """If true, add what this rank's last low-precision send lost to its next one (error feedback; one
     extra grad-buffer-sized residual per bucket)."""
 
+    param_gather_dtype: torch.dtype | None = None
+    """MegatronFSDP's ZeRO-3 (optim_grads_params): the dtype weights are all-gathered in (bf16, fp16, or fp8
+    with one fp32 scale per block), each rank packing its own full-precision shard; the compute weights
+    are the unpacked values, the optimizer's weights stay exact. None: gather in the weights' dtype."""
+    param_gather_block_size: int = 32
+    """Elements per fp32 scale when param_gather_dtype is an fp8 dtype."""
+
     def __post_init__(self) -> None:
         if self.use_custom_fsdp:
             warnings.warn(
@@ -186,10 +193,24 @@ def _validate(c: DistributedDataParallelConfig) -> None:
                 "num_distributed_optimizer_instances > 1"
             )
     _validate_grad_comm(c)
+    _validate_param_gather(c)
     if c.overlap_param_gather and not (c.use_distributed_optimizer or c.use_megatron_fsdp):
         _fail(
             "overlap_param_gather=True requires use_distributed_optimizer=True or use_megatron_fsdp=True "
             "(without them every rank already holds full params)"
+        )
+
+
+def _validate_param_gather(c: DistributedDataParallelConfig) -> None:
+    if c.param_gather_dtype is None:
+        return
+    if c.param_gather_dtype not in (*HALF_WIRE_DTYPES, *fp8_wire_dtypes()):
+        _fail(
+            f"param_gather_dtype={c.param_gather_dtype} is not a wire dtype; use one of {wire_dtype_names()}"
+        )
+    if c.param_gather_block_size <= 0:
+        _fail(
+            f"param_gather_block_size must be a positive number of elements, got {c.param_gather_block_size}"
         )
 
 

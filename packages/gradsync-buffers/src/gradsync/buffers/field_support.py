@@ -32,6 +32,8 @@ FSDP_ONLY_FIELDS = (
     "megatron_fsdp_cuda_graph_mode",
     "megatron_fsdp_enable_fine_grained_param_gather",
     "megatron_fsdp_max_pool_double_buffer",
+    "param_gather_dtype",
+    "param_gather_block_size",
 )
 """Fields only Megatron-FSDP reads; the DDP path refuses them when set away from their defaults."""
 

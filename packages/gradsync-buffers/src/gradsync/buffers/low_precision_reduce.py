@@ -59,7 +59,7 @@ class LowPrecisionReduction:
             self.chunk = 0
             uneven_shards(bucket, cuts, self.world)  # refuses cuts that do not split the bucket
             self.bounds = list(itertools.pairwise(cuts))
-            self.sent = torch.cat([self._pack(contribution[lo:hi]) for lo, hi in self.bounds])
+            self.sent = torch.cat([wire.pack_row(contribution[lo:hi]) for lo, hi in self.bounds])
             self.splits = [wire.row_bytes(hi - lo) for lo, hi in self.bounds]
             lo, hi = self.bounds[self.rank]
             received = hi - lo
@@ -70,11 +70,6 @@ class LowPrecisionReduction:
             self.world * wire.row_bytes(received), dtype=torch.uint8, device=self.sent.device
         )
         self.total = torch.empty(0)
-
-    def _pack(self, values: torch.Tensor) -> torch.Tensor:
-        """One piece as one wire row, flat."""
-        padded = F.pad(values, (0, self.wire.padded_length(values.numel()) - values.numel()))
-        return self.wire.encode(padded.view(1, -1)).view(-1)
 
     def _unpack_rows(self, packed: torch.Tensor, length: int) -> torch.Tensor:
         """Equal packed rows of ``length`` values each back to ``(rows, length)`` fp32."""
@@ -87,9 +82,8 @@ class LowPrecisionReduction:
             return self._unpack_rows(self.sent, self.chunk).reshape(-1)[: self.bucket.numel()]
         pieces = torch.split(self.sent, self.splits)
         return torch.cat(
-            [self.wire.decode(p.view(1, -1), self.wire.padded_length(hi - lo))[0, : hi - lo]
-             for p, (lo, hi) in zip(pieces, self.bounds, strict=True)]
-        )  # fmt: skip
+            [self.wire.unpack_row(p, hi - lo) for p, (lo, hi) in zip(pieces, self.bounds, strict=True)]
+        )
 
     @property
     def wire_bytes(self) -> int:
@@ -129,7 +123,7 @@ class LowPrecisionReduction:
         return chain(first, lambda: self._gather_sums(label), self.group, self.bucket.device)
 
     def _gather_sums(self, label: str) -> Launched:
-        mine = self._pack(self.total[: self.chunk])
+        mine = self.wire.pack_row(self.total[: self.chunk])
         gathered = torch.empty(self.world * mine.numel(), dtype=torch.uint8, device=mine.device)
         gathered.view(self.world, -1)[self.rank] = mine
         launched = all_gather_shards(gathered, self.group, label=f"{label}.sums")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 _FP8_NAMES = ("float8_e4m3fn", "float8_e5m2")
 HALF_WIRE_DTYPES = (torch.bfloat16, torch.float16)
@@ -76,3 +77,12 @@ class WireFormat:
         payload = packed[:, :length].contiguous().view(self.dtype).float()
         scales = packed[:, length:].contiguous().view(torch.float32)
         return (payload.view(count, -1, self.block_size) * scales.unsqueeze(-1)).view(count, length)
+
+    def pack_row(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (flat, any float dtype) as one packed row: flat uint8 of ``row_bytes(len)``."""
+        padded = F.pad(values.float(), (0, self.padded_length(values.numel()) - values.numel()))
+        return self.encode(padded.view(1, -1)).view(-1)
+
+    def unpack_row(self, packed: torch.Tensor, length: int) -> torch.Tensor:
+        """One packed row of ``length`` values back to flat fp32."""
+        return self.decode(packed.view(1, -1), self.padded_length(length))[0, :length]

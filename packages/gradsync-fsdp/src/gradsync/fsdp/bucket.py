@@ -13,6 +13,7 @@ themselves), so its in-place updates land in the buffer.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -25,6 +26,7 @@ from gradsync.buffers.grad_checks import LocalGradNorms
 from gradsync.buffers.low_precision_reduce import GradCommWire
 from gradsync.buffers.shard_alignment import shard_alignment_of
 from gradsync.buffers.stats import CommStats
+from gradsync.buffers.wire_format import WireFormat
 
 from .allocators import BucketAllocator, BufferRequest, StorageResizeBucketAllocator
 from .hsdp import OuterReplication
@@ -140,13 +142,16 @@ class FlatParamBucket:
         gather_group: dist.ProcessGroup | None = None,
         grad_storage: torch.Tensor | None = None,
         grad_comm: GradCommWire | None = None,
+        gather_wire: WireFormat | None = None,
     ) -> None:
         """``unset``: params without values yet (meta-device init); :meth:`write_param` sets them.
         ``grad_storage``: zeros to hold the persistent grads, a slice of a coalesced group's buffer
         (:mod:`gradsync.fsdp.coalesce`); by default the bucket allocates its own. ``grad_comm``: the
-        low-precision wire with fp32 sums the reductions send (``grad_comm_dtype``), if any."""
+        low-precision wire with fp32 sums the reductions send (``grad_comm_dtype``), if any.
+        ``gather_wire``: ZeRO-3's packed weight gathers (``param_gather_dtype``), if any."""
         self.bucket_id, self.spec, self.sharding, self.group = bucket_id, spec, sharding, group
-        self.grad_comm = grad_comm
+        self.grad_comm, self.gather_wire = grad_comm, gather_wire
+        self._exact_gather = False  # exports and broadcasts gather the full-precision shards
         self.gather_group = group if gather_group is None else gather_group
         self.label = f"fsdp.bucket{bucket_id}"  # in telemetry
         self.outer = outer
@@ -306,9 +311,46 @@ class FlatParamBucket:
 
     def _gather_inner(self) -> Launched:
         if self.weight_shard is not None:
+            if self.gather_wire is not None and not self._exact_gather:
+                return self._gather_packed(self.gather_wire, self.weight_shard)
             self.weight[self.shard_lo : self.shard_hi].copy_(self.weight_shard)
         self.record("all_gather", self.weight, self.gather_group)
         return all_gather_shards(self.weight, self.gather_group, cuts=self.inner_cuts, label=self.label)
+
+    def _gather_packed(self, wire: WireFormat, shard: torch.Tensor) -> Launched:
+        """Every rank packs its own shard in ``wire`` and gathers the packed bytes; every rank, this one
+        included, computes with the unpacked values, so all compute with the same weights."""
+        cuts = self.layout.cuts
+        lengths = [hi - lo for lo, hi in itertools.pairwise(cuts)]
+        byte_cuts = [0, *itertools.accumulate(wire.row_bytes(n) for n in lengths)]
+        packed = torch.empty(byte_cuts[-1], dtype=torch.uint8, device=self.device)
+        rank = self.gather_group.rank()
+        packed[byte_cuts[rank] : byte_cuts[rank + 1]] = wire.pack_row(shard)
+        even = len(set(lengths)) == 1
+        self.record("all_gather", packed, self.gather_group)
+        launched = all_gather_shards(
+            packed, self.gather_group, cuts=None if even else byte_cuts, label=self.label
+        )
+
+        def unpack() -> None:
+            for r, (lo, hi) in enumerate(itertools.pairwise(cuts)):
+                if hi > lo:
+                    self.weight[lo:hi].copy_(
+                        wire.unpack_row(packed[byte_cuts[r] : byte_cuts[r + 1]], hi - lo)
+                    )
+
+        launched.after.append(unpack)
+        return launched
+
+    def wait_exact_gather(self) -> None:
+        """The whole compute buffer in full precision (exports, broadcasts): a packed gather is redone."""
+        if self.gather_wire is not None:
+            self.release()
+        self._exact_gather = True
+        try:
+            self.wait_gather()
+        finally:
+            self._exact_gather = False
 
     def wait_gather(self) -> None:
         if self.status is BucketStatus.EMPTY:

@@ -39,6 +39,7 @@ from gradsync.buffers import (
 from gradsync.buffers.grad_checks import LocalGradNorms, non_finite_ranks
 from gradsync.buffers.low_precision_reduce import GradCommWire
 from gradsync.buffers.shard_alignment import ShardAlignmentSpec, ShardBalance, set_shard_alignments
+from gradsync.buffers.wire_format import WireFormat
 from gradsync.buffers.wrapper_claims import (
     claim,
     first_owned_elsewhere,
@@ -75,7 +76,12 @@ from .registration import ParamRegistry
 from .schedule import GatherSchedule, ReduceSchedule
 from .step_tracking import OWNER, watch_optimizer_steps
 from .strategy import parse_strategy
-from .support import refuse_contradicting_keywords, refuse_two_grad_wires, refuse_unsupported
+from .support import (
+    refuse_contradicting_keywords,
+    refuse_packed_gathers_without_zero3,
+    refuse_two_grad_wires,
+    refuse_unsupported,
+)
 from .torch_internals import detach_for_saving
 from .units import UnitEntry, find_units, group_into_buckets, resolve_unit_classes
 
@@ -183,6 +189,7 @@ class MegatronFSDP(nn.Module):
         self.device = _resolve_device(device, module, dist_index, init_model_with_meta_device)
         refuse_unsupported(ddp_config, dist_index, self.device)
         refuse_two_grad_wires(ddp_config, self.mp_policy)
+        refuse_packed_gathers_without_zero3(ddp_config)
         self.outer = outer_replication(ddp_config, dist_index, self.sharding)
         meta = replace_meta_params(module, self.device) if init_model_with_meta_device else None
         unset = meta.placeholders if meta is not None else set()
@@ -246,6 +253,11 @@ class MegatronFSDP(nn.Module):
             reduction_groups, layouts, specs, self.sharding, self.mp_policy, self.device
         )
         grad_comm = GradCommWire.from_config(ddp_config)
+        gather_wire = (
+            WireFormat(ddp_config.param_gather_dtype, ddp_config.param_gather_block_size)
+            if ddp_config.param_gather_dtype is not None
+            else None
+        )
         self.buckets = [
             FlatParamBucket(
                 i,
@@ -260,6 +272,7 @@ class MegatronFSDP(nn.Module):
                 gather_group=self.gather_group,
                 grad_storage=grad_slices.get(i),
                 grad_comm=grad_comm,
+                gather_wire=gather_wire,
             )
             for i, spec in enumerate(specs)
         ]
@@ -442,7 +455,7 @@ class MegatronFSDP(nn.Module):
             else:  # extra state (Megatron's layers give None): kept as it is
                 copied[name] = value
         for bucket in self.buckets:  # one bucket whole at a time, as double buffers require
-            bucket.wait_gather()
+            bucket.wait_exact_gather()
             for param in bucket.spec.params:
                 for name in names_of.pop(param, []) if keep else []:
                     copied[name] = param.detach().cpu().clone()
@@ -812,7 +825,7 @@ class MegatronFSDP(nn.Module):
         group = self.dist_index.get_dp_group()  # every replica, outer ones included
         src = dist.get_global_rank(group, 0)
         for bucket in self.buckets:
-            bucket.wait_gather()
+            bucket.wait_exact_gather()
             dist.broadcast(bucket.weight, src=src, group=group)
             bucket.reset_from_weights()
             if self.sharding.shard_params:

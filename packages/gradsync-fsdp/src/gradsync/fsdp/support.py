@@ -150,3 +150,23 @@ def refuse_two_grad_wires(config: DistributedDataParallelConfig, policy: MixedPr
             f"mixed precision policy's grad_comm_dtype={policy.grad_comm_dtype} "
             "(megatron_fsdp_grad_comm_dtype, summed in that dtype) both set the grad wire; keep one of them"
         )
+
+
+def refuse_packed_gathers_without_zero3(config: DistributedDataParallelConfig) -> None:
+    """``param_gather_dtype`` packs the weights ZeRO-3 gathers before every use; the other strategies keep
+    whole weights (no_shard) or gather them once per step in full precision (optim, optim_grads), and
+    HFSDP's outer gather is not packed."""
+    if config.param_gather_dtype is None:
+        return
+    if config.data_parallel_sharding_strategy != "optim_grads_params":
+        raise ValueError(
+            f"MegatronFSDP: param_gather_dtype={config.param_gather_dtype} packs ZeRO-3's weight gathers, "
+            f"but data_parallel_sharding_strategy={config.data_parallel_sharding_strategy!r} does not gather "
+            "weights before every use; use 'optim_grads_params' or leave param_gather_dtype unset"
+        )
+    if config.outer_dp_sharding_strategy != "no_shard":
+        raise NotImplementedError(
+            f"MegatronFSDP: param_gather_dtype with outer_dp_sharding_strategy="
+            f"{config.outer_dp_sharding_strategy!r} (HFSDP) is not implemented: its outer gather is not "
+            "packed; use outer_dp_sharding_strategy='no_shard' or leave param_gather_dtype unset"
+        )
