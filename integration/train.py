@@ -102,9 +102,12 @@ GRAD_COMMS: dict[str, dict[str, object]] = {
     "fp8-e4m3": {"grad_comm_dtype": torch.float8_e4m3fn},
     "fp8-e4m3-ef": {"grad_comm_dtype": torch.float8_e4m3fn, "grad_comm_error_feedback": True},
     "fp8-e5m2-ef": {"grad_comm_dtype": torch.float8_e5m2, "grad_comm_error_feedback": True},
+    "gather-bf16": {"param_gather_dtype": torch.bfloat16},
+    "gather-fp8-e4m3": {"param_gather_dtype": torch.float8_e4m3fn},
 }
-"""``--grad-comm`` choices: the grad wire (gradsync-ddp's strategies); fp32 is the grad buffer's own
-dtype, reduced by the backend. The fp8 wires carry one fp32 scale per ``--grad-comm-block-size`` values."""
+"""``--grad-comm`` choices: the grad wire (every strategy); fp32 is the grad buffer's own dtype, reduced
+by the backend. ``gather-*``: ZeRO-3's packed weight gathers instead (fsdp-optim_grads_params only).
+The fp8 wires carry one fp32 scale per ``--grad-comm-block-size`` values."""
 EMBEDDINGS = ("wte", "wpe", "output_weight")  # the toy GPT's embeddings and untied head: AdamW under Muon
 
 
@@ -169,7 +172,8 @@ def grad_comms(opts: Options) -> list[str]:
 def grad_comm_fields(opts: Options) -> dict[str, object]:
     """The config's ``grad_comm_*`` fields for this run's wire."""
     fields = GRAD_COMMS[opts.grad_comm]
-    return {**fields, "grad_comm_block_size": opts.grad_comm_block_size} if fields else {}
+    block = "param_gather_block_size" if opts.grad_comm.startswith("gather-") else "grad_comm_block_size"
+    return {**fields, block: opts.grad_comm_block_size} if fields else {}
 
 
 def param_dtype(opts: Options) -> torch.dtype:
@@ -294,7 +298,9 @@ def write_outputs(
         "data": f"{corpus.source}; global batch {opts.global_batch} × {opts.seq_len} bytes",
         "optimizer": f"{opts.optimizer}, lr {opts.lr}",
         "grad wire": opts.grad_comm
-        + (" (the grad dtype, reduced by the backend)" if opts.grad_comm == "fp32" else ", summed in fp32"),
+        + (" (the grad dtype, reduced by the backend)" if opts.grad_comm == "fp32" else "")
+        + (", summed in fp32" if opts.grad_comm.startswith(("bf16", "fp16", "fp8")) else "")
+        + (": packed ZeRO-3 weight gathers, fp32 grads" if opts.grad_comm.startswith("gather-") else ""),
     }
     if opts.trace:
         facts["trace"] = (
