@@ -212,11 +212,18 @@ def installed_gradsync(session: nox.Session) -> set[str]:
 
 # The subset each compat session runs: every wrapper (DDP, distributed optimizer, MegatronFSDP's four
 # strategies, HSDP / HFSDP, the fully_shard and fsdp2 APIs), every checkpoint path (DCP resharding, the
-# optimizer's state on ranks owning nothing, full state dicts) and finalize_model_grads.
+# optimizer's state on ranks owning nothing, full state dicts), finalize_model_grads, and the packed wires
+# (fp8 views and casts) and torch's own comm hooks.
 COMPAT_TESTS = {
     "groups": ("test_megatron_api.py", "test_teardown.py"),
-    "buffers": ("test_buffer.py", "test_collective_paths.py"),
-    "ddp": ("test_wrapper.py", "test_distributed_optimizer.py", "test_dcp.py", "test_rank_agreement.py"),
+    "buffers": ("test_buffer.py", "test_collective_paths.py", "test_low_precision_reduce.py"),
+    "ddp": (
+        "test_wrapper.py",
+        "test_distributed_optimizer.py",
+        "test_dcp.py",
+        "test_rank_agreement.py",
+        "test_comm_hooks.py",
+    ),
     "fsdp": (
         "test_parity.py",
         "test_hsdp.py",
@@ -229,6 +236,8 @@ COMPAT_TESTS = {
         "test_uneven_dtensor.py",
         "test_rank_agreement.py",
         "test_local_step.py",
+        "test_grad_comm_wire.py",
+        "test_param_gather_wire.py",
     ),
     "finalize": ("test_finalize.py",),
 }
