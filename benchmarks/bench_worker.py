@@ -67,12 +67,15 @@ def fsdp2_step(system: str, model: GPTStage, lr: float, **options: Any) -> Step:
 
 
 def gradsync_step(system: str, model: nn.Module, lr: float, bucket_elements: int, bf16: bool = False) -> Step:
-    """``bf16``: the model's weights are bf16 and get Megatron's recipe (fp32 main weights and grads)."""
+    """``bf16``: the model's weights are bf16 and get Megatron's recipe (fp32 main weights and grads).
+    ``system@WIRE`` (``ddp+overlap@bf16``, say): with train.py's ``--grad-comm WIRE``."""
     from toygpt.strategies import wrap
-    from train import EMBEDDINGS
+    from train import EMBEDDINGS, GRAD_COMMS
 
     from gradsync.buffers import Muon, muon_param_groups
 
+    system, _, wire = system.partition("@")
+    grad_comm = GRAD_COMMS[wire] if wire else None
     suffix = muon_suffix(system)
     strategy = system.removesuffix(suffix)
     groups = initialize_model_parallel()
@@ -91,6 +94,7 @@ def gradsync_step(system: str, model: nn.Module, lr: float, bucket_elements: int
             bucket_elements,
             bf16=bf16,
             shard_alignment=lambda name, param: "tensor" if param.dim() >= 2 else None,
+            grad_comm=grad_comm,
         )
     else:
         wrapped = wrap(
@@ -100,6 +104,7 @@ def gradsync_step(system: str, model: nn.Module, lr: float, bucket_elements: int
             lambda named: torch.optim.AdamW([p for _, p in named], lr=lr),
             bucket_elements,
             bf16=bf16,
+            grad_comm=grad_comm,
         )
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
