@@ -108,6 +108,9 @@ GRAD_COMMS: dict[str, dict[str, object]] = {
 """``--grad-comm`` choices: the grad wire (every strategy); fp32 is the grad buffer's own dtype, reduced
 by the backend. ``gather-*``: ZeRO-3's packed weight gathers instead (fsdp-optim_grads_params only).
 The fp8 wires carry one fp32 scale per ``--grad-comm-block-size`` values."""
+COMM_HOOKS = {"powersgd-r4": 4, "powersgd-r16": 16}
+"""``--grad-comm`` choices that register torch's PowerSGD comm hook instead (its matrix rank; a plain
+all-reduce for the first 10 steps), on a DDP strategy without the distributed optimizer."""
 EMBEDDINGS = ("wte", "wpe", "output_weight")  # the toy GPT's embeddings and untied head: AdamW under Muon
 
 
@@ -161,17 +164,33 @@ def grad_comms(opts: Options) -> list[str]:
     """The ``--grad-comm`` wires to train with, in order: the fp32 wire first whenever another is asked
     for (the reference each is compared with)."""
     wires = [wire.strip() for wire in opts.grad_comm.split(",") if wire.strip()]
-    unknown = [wire for wire in wires if wire not in GRAD_COMMS]
+    unknown = [wire for wire in wires if wire not in GRAD_COMMS and wire not in COMM_HOOKS]
     if unknown or not wires:
         raise ValueError(
-            f"--grad-comm takes a comma-separated list of {', '.join(GRAD_COMMS)}; got {opts.grad_comm!r}"
+            f"--grad-comm takes a comma-separated list of {', '.join([*GRAD_COMMS, *COMM_HOOKS])}; got "
+            f"{opts.grad_comm!r}"
         )
     return list(dict.fromkeys(["fp32", *wires] if wires != ["fp32"] else wires))
 
 
+def register_powersgd(model: nn.Module, opts: Options, group: dist.ProcessGroup | None) -> None:
+    """torch's own PowerSGD hook on gradsync's DistributedDataParallel (``--grad-comm powersgd-r*``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    register = getattr(model, "register_comm_hook", None)
+    if register is None or getattr(model, "ddp_config", None) is None:
+        raise ValueError(
+            f"--grad-comm {opts.grad_comm}: needs a ddp strategy (ddp, ddp+overlap), not {opts.strategy}"
+        )
+    state = powerSGD_hook.PowerSGDState(
+        process_group=group, matrix_approximation_rank=COMM_HOOKS[opts.grad_comm], start_powerSGD_iter=10
+    )
+    register(state, powerSGD_hook.powerSGD_hook)
+
+
 def grad_comm_fields(opts: Options) -> dict[str, object]:
     """The config's ``grad_comm_*`` fields for this run's wire."""
-    fields = GRAD_COMMS[opts.grad_comm]
+    fields = GRAD_COMMS.get(opts.grad_comm, {})
     block = "param_gather_block_size" if opts.grad_comm.startswith("gather-") else "grad_comm_block_size"
     return {**fields, block: opts.grad_comm_block_size} if fields else {}
 
@@ -206,6 +225,8 @@ def run(opts: Options, baseline: dict[str, list[StepRecord]] | None = None) -> R
         shard_alignment=shard_alignment(opts),
         grad_comm=grad_comm_fields(opts),
     )
+    if opts.grad_comm in COMM_HOOKS:
+        register_powersgd(wrapped.model, opts, groups.dp_cp)
     model, optimizer = wrapped.model, wrapped.optimizer
     corpus = Corpus.from_stdlib(opts.corpus_bytes)
     dp_rank, dp_size = groups.dp_cp.rank(), groups.dp_cp.size()  # type: ignore[union-attr]
@@ -300,7 +321,12 @@ def write_outputs(
         "grad wire": opts.grad_comm
         + (" (the grad dtype, reduced by the backend)" if opts.grad_comm == "fp32" else "")
         + (", summed in fp32" if opts.grad_comm.startswith(("bf16", "fp16", "fp8")) else "")
-        + (": packed ZeRO-3 weight gathers, fp32 grads" if opts.grad_comm.startswith("gather-") else ""),
+        + (": packed ZeRO-3 weight gathers, fp32 grads" if opts.grad_comm.startswith("gather-") else "")
+        + (
+            ": torch's PowerSGD comm hook (comm MiB/step counts the buckets handed to it, not what it sends)"
+            if opts.grad_comm in COMM_HOOKS
+            else ""
+        ),
     }
     if opts.trace:
         facts["trace"] = (
