@@ -31,6 +31,23 @@ def torchrun(nproc: int, *args: str, timeout: float = 180) -> subprocess.Complet
     )
 
 
+def trained(out_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """A 2-rank run of ``args`` that must succeed, its report under ``out_dir``."""
+    result = torchrun(2, *args, "--out-dir", str(out_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def report_rows(out_dir: Path, prefix: str) -> list[list[str]]:
+    """The cells of the report's rows whose run name starts with ``prefix``."""
+    report = (out_dir / "report.md").read_text()
+    return [
+        [cell.strip() for cell in line.split("|")]
+        for line in report.splitlines()
+        if line.startswith(f"| {prefix}")
+    ]
+
+
 def test_a_run_prints_progress_and_writes_its_report(tmp_path: Path) -> None:
     result = torchrun(
         2, "--steps", "4", "--eval-every", "2", "--strategy", "ddp+overlap", "--out-dir", str(tmp_path)
@@ -141,18 +158,10 @@ def test_a_killed_rank_stops_the_job_with_an_error(tmp_path: Path) -> None:
 
 def test_muon_report_compares_the_loss_curve_with_adamw(tmp_path: Path) -> None:
     """--optimizer muon trains the same model, data and steps with AdamW first and reports both."""
-    result = torchrun(
-        2, "--steps", "4", "--optimizer", "muon", "--strategy", "fsdp-optim_grads_params", "--out-dir",
-        str(tmp_path),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = (tmp_path / "report.md").read_text()
-    rows = [line for line in report.splitlines() if line.startswith("| fsdp-optim_grads_params")]
-    assert [row.split("|")[1].strip() for row in rows] == [
-        "fsdp-optim_grads_params muon",
-        "fsdp-optim_grads_params adamw",
-    ]
-    first_losses, last_losses = ({row.split("|")[i].strip() for row in rows} for i in (3, 4))
+    trained(tmp_path, "--steps", "4", "--optimizer", "muon", "--strategy", "fsdp-optim_grads_params")
+    rows = report_rows(tmp_path, "fsdp-optim_grads_params")
+    assert [row[1] for row in rows] == ["fsdp-optim_grads_params muon", "fsdp-optim_grads_params adamw"]
+    first_losses, last_losses = ({row[i] for row in rows} for i in (3, 4))
     assert len(first_losses) == 1  # the same model and data
     assert len(last_losses) == 2  # different optimizers
 
@@ -160,14 +169,9 @@ def test_muon_report_compares_the_loss_curve_with_adamw(tmp_path: Path) -> None:
 def test_grad_comm_report_puts_each_wire_beside_the_fp32_one(tmp_path: Path) -> None:
     """--grad-comm bf16,fp8-e4m3-ef trains with the fp32 wire, then each low-precision one, on the same
     model and data; the report's rows show smaller wires and losses near the fp32 wire's."""
-    result = torchrun(
-        2, "--steps", "4", "--strategy", "ddp+distopt", "--grad-comm", "bf16,fp8-e4m3-ef", "--out-dir",
-        str(tmp_path),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = (tmp_path / "report.md").read_text()
-    rows = [line.split("|") for line in report.splitlines() if line.startswith("| ddp+distopt sgd")]
-    assert [row[1].strip() for row in rows] == [
+    trained(tmp_path, "--steps", "4", "--strategy", "ddp+distopt", "--grad-comm", "bf16,fp8-e4m3-ef")
+    rows = report_rows(tmp_path, "ddp+distopt sgd")
+    assert [row[1] for row in rows] == [
         "ddp+distopt sgd fp8-e4m3-ef wire",
         "ddp+distopt sgd fp32 wire",
         "ddp+distopt sgd bf16 wire",
@@ -184,11 +188,7 @@ def test_grad_comm_powersgd_trains_with_torchs_hook(tmp_path: Path) -> None:
     """--grad-comm powersgd-r4 registers torch's PowerSGD hook on gradsync's DDP after an fp32 run of the
     same job: the same losses while the hook all-reduces plainly (its first 10 steps), different ones once
     it sends rank-4 factors, and within 1 % of the fp32 run's."""
-    result = torchrun(
-        2, "--steps", "20", "--strategy", "ddp+overlap", "--grad-comm", "powersgd-r4", "--out-dir",
-        str(tmp_path),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = trained(tmp_path, "--steps", "20", "--strategy", "ddp+overlap", "--grad-comm", "powersgd-r4")
     losses = [
         float(line.split("|")[1].split()[1]) for line in result.stdout.splitlines() if line.startswith("step")
     ]
@@ -196,4 +196,7 @@ def test_grad_comm_powersgd_trains_with_torchs_hook(tmp_path: Path) -> None:
     assert compressed[:11] == plain[:11]  # step 11's loss comes before the first compressed reduction
     assert compressed[11:] != plain[11:]
     assert all(abs(c - p) <= 0.01 * p for c, p in zip(compressed, plain, strict=True))
-    assert "ddp+overlap sgd powersgd-r4 wire" in (tmp_path / "report.md").read_text()
+    assert [row[1] for row in report_rows(tmp_path, "ddp+overlap sgd")] == [
+        "ddp+overlap sgd powersgd-r4 wire",
+        "ddp+overlap sgd fp32 wire",
+    ]
