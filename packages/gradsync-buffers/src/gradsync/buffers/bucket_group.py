@@ -23,7 +23,7 @@ from .comm_hook import RegisteredHook
 from .config import DistributedDataParallelConfig
 from .foreign_config import as_ddp_config
 from .grad_checks import LargeGradDetector, LocalGradNorms, check_grads, non_finite_ranks, report_grad_norms
-from .low_precision_reduce import GradCommWire
+from .low_precision_reduce import GradCommWire, reduce_bucket
 from .stats import CollectiveRecord, CommStats
 
 
@@ -186,31 +186,18 @@ class ParamAndGradBucketGroup:
                 records.append(self._record(op, bucket.grad_data))
                 launched.extend(self._launch_hook(position, bucket))
                 continue
-            if self.grad_comm_wire is not None:
-                sent, reduction = self.grad_comm_wire.launch(
-                    position,
-                    bucket.grad_data,
-                    group,
-                    scatter=reduce_scatter,
-                    average=average,
-                    label=self.label,
-                )
-                records.append(self.stats.begin(op, sent, group.size(), bucket.grad_data.device))
-                launched.extend(reduction)
-                continue
-            records.append(self._record(op, bucket.grad_data))
             if reduce_scatter and self.ddp_config.reduce_scatter_with_fp32_accumulation:
+                records.append(self._record(op, bucket.grad_data))
                 launched.extend(
                     collectives.reduce_scatter_fp32_accumulated(bucket.grad_data, group, label=self.label)
                 )
-            elif reduce_scatter:
-                launched.extend(
-                    collectives.reduce_scatter(bucket.grad_data, group, average=average, label=self.label)
-                )
-            else:
-                launched.extend(
-                    collectives.all_reduce(bucket.grad_data, group, average=average, label=self.label)
-                )
+                continue
+            reduction, sent = reduce_bucket(
+                bucket.grad_data, group, self.grad_comm_wire, position,
+                scatter=reduce_scatter, average=average, label=self.label,
+            )  # fmt: skip
+            records.append(self.stats.begin(op, sent, group.size(), bucket.grad_data.device))
+            launched.extend(reduction)
         launched.after.append(lambda: CommStats.end(records))
         inter = self.inter_distributed_optimizer_instance_group
         if self.ddp_config.use_distributed_optimizer and inter is not None:

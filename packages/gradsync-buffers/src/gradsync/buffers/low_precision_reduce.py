@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .collectives import Launched, all_gather_shards, chain, uneven_shards
+from .collectives import Launched, all_gather_shards, all_reduce, chain, reduce_scatter, uneven_shards
 from .config import DistributedDataParallelConfig
 from .wire_format import WireFormat
 
@@ -178,3 +178,29 @@ class GradCommWire:
         )
         launched = reduction.reduce_scatter(label) if scatter else reduction.all_reduce(label)
         return reduction.wire_bytes, launched
+
+
+def reduce_bucket(
+    grads: torch.Tensor,
+    group: dist.ProcessGroup,
+    wire: GradCommWire | None,
+    key: Hashable,
+    *,
+    scatter: bool,
+    average: bool,
+    label: str,
+    cuts: Sequence[int] | None = None,
+) -> tuple[Launched, int]:
+    """Reduce-scatter (``scatter``) or all-reduce ``grads`` over ``group``: through the low-precision
+    ``wire`` when there is one (``key`` names the reduction for its residual), else the backend's own
+    collective. Both wrappers reduce through this; returns the handle and the bytes this rank sent."""
+    if wire is not None:
+        sent, launched = wire.launch(
+            key, grads, group, scatter=scatter, average=average, label=label, cuts=cuts
+        )
+        return launched, sent
+    if scatter:
+        launched = reduce_scatter(grads, group, average=average, cuts=cuts, label=label)
+    else:
+        launched = all_reduce(grads, group, average=average, label=label)
+    return launched, grads.numel() * grads.element_size()

@@ -14,16 +14,16 @@ themselves), so its in-place updates land in the buffer.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import Enum
 
 import torch
 import torch.distributed as dist
 
-from gradsync.buffers.collectives import Launched, all_gather_shards, all_reduce, chain, reduce_scatter
+from gradsync.buffers.collectives import Launched, all_gather_shards, chain
 from gradsync.buffers.grad_checks import LocalGradNorms
-from gradsync.buffers.low_precision_reduce import GradCommWire
+from gradsync.buffers.low_precision_reduce import GradCommWire, reduce_bucket
 from gradsync.buffers.shard_alignment import shard_alignment_of
 from gradsync.buffers.stats import CommStats
 from gradsync.buffers.wire_format import WireFormat
@@ -96,32 +96,6 @@ def bucket_layout(
     )
 
 
-def reduce_grads(
-    wire: torch.Tensor,
-    group: dist.ProcessGroup,
-    grad_comm: GradCommWire | None,
-    key: Hashable,
-    *,
-    scatter: bool,
-    average: bool,
-    cuts: Sequence[int] | None,
-    label: str,
-) -> tuple[Launched, int]:
-    """Reduce-scatter (``scatter``) or all-reduce ``wire`` over ``group``, through the low-precision wire
-    when there is one (``key`` names the reduction for its error-feedback residual); returns the handle and
-    the bytes this rank sent."""
-    if grad_comm is not None:
-        sent, launched = grad_comm.launch(
-            key, wire, group, scatter=scatter, average=average, label=label, cuts=cuts
-        )
-        return launched, sent
-    if scatter:
-        launched = reduce_scatter(wire, group, average=average, cuts=cuts, label=label)
-    else:
-        launched = all_reduce(wire, group, average=average, label=label)
-    return launched, wire.numel() * wire.element_size()
-
-
 class FlatParamBucket:
     """The flat buffers of one bucket and the collectives that keep them in sync across ``group``: grads
     are reduced over ``group``, weights gathered over ``gather_group`` (the gather lane,
@@ -152,6 +126,7 @@ class FlatParamBucket:
         self.bucket_id, self.spec, self.sharding, self.group = bucket_id, spec, sharding, group
         self.grad_comm, self.gather_wire = grad_comm, gather_wire
         self._exact_gather = False  # exports and broadcasts gather the full-precision shards
+        self._packed_cuts: tuple[list[int], list[int] | None] | None = None  # packed rows' byte cuts
         self.gather_group = group if gather_group is None else gather_group
         self.label = f"fsdp.bucket{bucket_id}"  # in telemetry
         self.outer = outer
@@ -321,16 +296,16 @@ class FlatParamBucket:
         """Every rank packs its own shard in ``wire`` and gathers the packed bytes; every rank, this one
         included, computes with the unpacked values, so all compute with the same weights."""
         cuts = self.layout.cuts
-        lengths = [hi - lo for lo, hi in itertools.pairwise(cuts)]
-        byte_cuts = [0, *itertools.accumulate(wire.row_bytes(n) for n in lengths)]
+        if self._packed_cuts is None:  # the layout is fixed: once per bucket
+            lengths = [hi - lo for lo, hi in itertools.pairwise(cuts)]
+            byte_cuts = [0, *itertools.accumulate(wire.row_bytes(n) for n in lengths)]
+            self._packed_cuts = (byte_cuts, None if len(set(lengths)) == 1 else byte_cuts)
+        byte_cuts, uneven = self._packed_cuts
         packed = torch.empty(byte_cuts[-1], dtype=torch.uint8, device=self.device)
         rank = self.gather_group.rank()
         packed[byte_cuts[rank] : byte_cuts[rank + 1]] = wire.pack_row(shard)
-        even = len(set(lengths)) == 1
         self.record("all_gather", packed, self.gather_group)
-        launched = all_gather_shards(
-            packed, self.gather_group, cuts=None if even else byte_cuts, label=self.label
-        )
+        launched = all_gather_shards(packed, self.gather_group, cuts=uneven, label=self.label)
 
         def unpack() -> None:
             for r, (lo, hi) in enumerate(itertools.pairwise(cuts)):
@@ -455,7 +430,7 @@ class FlatParamBucket:
         if reduction.factor != 1.0:
             wire.mul_(reduction.factor)
         scatter = self.sharding.shard_main
-        launched, sent = reduce_grads(
+        launched, sent = reduce_bucket(
             wire, self.group, self.grad_comm, self.bucket_id, scatter=scatter, average=reduction.average,
             cuts=self.inner_cuts, label=self.label,
         )  # fmt: skip
@@ -537,7 +512,7 @@ class FlatParamBucket:
             lo, hi = self.main_range
             region = self.grad[lo - base : hi - base]
         wire = region if self.comm_dtype == region.dtype else region.to(self.comm_dtype)
-        launched, sent = reduce_grads(
+        launched, sent = reduce_bucket(
             wire, self.outer.group, self.grad_comm, (self.bucket_id, "outer"), scatter=self.outer.shard,
             average=reduction.average, cuts=self.outer_cuts, label=f"{self.label}.outer",
         )  # fmt: skip

@@ -38,8 +38,9 @@ import torch
 
 from gradsync.buffers.collectives import Launched, all_gather_shards
 from gradsync.buffers.grad_checks import LocalGradNorms
+from gradsync.buffers.low_precision_reduce import reduce_bucket
 
-from .bucket import BucketStatus, FlatParamBucket, GradReduction, reduce_grads
+from .bucket import BucketStatus, FlatParamBucket, GradReduction
 from .layout import BucketLayout
 from .mixed_precision import MixedPrecisionPolicy
 from .strategy import Sharding
@@ -182,7 +183,7 @@ class ReductionGroup:
         wire = flat if first.comm_dtype == first.grad_dtype else flat.to(first.comm_dtype)
         if reduction.factor != 1.0:
             wire.mul_(reduction.factor)
-        launched, sent = reduce_grads(
+        launched, sent = reduce_bucket(
             wire, first.group, first.grad_comm, self.label, scatter=False, average=reduction.average,
             cuts=None, label=self.label,
         )  # fmt: skip
@@ -210,7 +211,7 @@ class ReductionGroup:
             wire = wire.to(first.comm_dtype)
         if reduction.factor != 1.0:
             wire.mul_(reduction.factor)
-        launched, sent = reduce_grads(
+        launched, sent = reduce_bucket(
             wire, group, first.grad_comm, self.label, scatter=True, average=reduction.average, cuts=None,
             label=self.label,
         )  # fmt: skip
