@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .wire_format import HALF_WIRE_DTYPES, fp8_wire_dtypes, wire_dtype_names
+from .wire_format import is_wire_dtype, wire_dtype_names
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -193,7 +193,7 @@ def _validate(c: DistributedDataParallelConfig) -> None:
                 "num_distributed_optimizer_instances > 1"
             )
     _validate_grad_comm(c)
-    _validate_param_gather(c)
+    _validate_wire(c, "param_gather_dtype", "param_gather_block_size")
     if c.overlap_param_gather and not (c.use_distributed_optimizer or c.use_megatron_fsdp):
         _fail(
             "overlap_param_gather=True requires use_distributed_optimizer=True or use_megatron_fsdp=True "
@@ -201,28 +201,23 @@ def _validate(c: DistributedDataParallelConfig) -> None:
         )
 
 
-def _validate_param_gather(c: DistributedDataParallelConfig) -> None:
-    if c.param_gather_dtype is None:
-        return
-    if c.param_gather_dtype not in (*HALF_WIRE_DTYPES, *fp8_wire_dtypes()):
-        _fail(
-            f"param_gather_dtype={c.param_gather_dtype} is not a wire dtype; use one of {wire_dtype_names()}"
-        )
-    if c.param_gather_block_size <= 0:
-        _fail(
-            f"param_gather_block_size must be a positive number of elements, got {c.param_gather_block_size}"
-        )
+def _validate_wire(c: DistributedDataParallelConfig, dtype_field: str, block_field: str) -> bool:
+    """Whether the wire ``dtype_field`` names is set (then its dtype and block size are valid)."""
+    dtype, block = getattr(c, dtype_field), getattr(c, block_field)
+    if dtype is None:
+        return False
+    if not is_wire_dtype(dtype):
+        _fail(f"{dtype_field}={dtype} is not a wire dtype; use one of {wire_dtype_names()}")
+    if block <= 0:
+        _fail(f"{block_field} must be a positive number of elements, got {block}")
+    return True
 
 
 def _validate_grad_comm(c: DistributedDataParallelConfig) -> None:
-    if c.grad_comm_dtype is None:
+    if not _validate_wire(c, "grad_comm_dtype", "grad_comm_block_size"):
         if c.grad_comm_error_feedback:
             _fail("grad_comm_error_feedback=True needs a low-precision grad_comm_dtype (torch.bfloat16, say)")
         return
-    if c.grad_comm_dtype not in (*HALF_WIRE_DTYPES, *fp8_wire_dtypes()):
-        _fail(f"grad_comm_dtype={c.grad_comm_dtype} is not a wire dtype; use one of {wire_dtype_names()}")
-    if c.grad_comm_block_size <= 0:
-        _fail(f"grad_comm_block_size must be a positive number of elements, got {c.grad_comm_block_size}")
     if c.reduce_scatter_with_fp32_accumulation:
         _fail(
             "grad_comm_dtype already sums in fp32 after an all-to-all: drop "

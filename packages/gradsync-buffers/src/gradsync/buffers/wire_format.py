@@ -24,6 +24,11 @@ def fp8_wire_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(getattr(torch, name) for name in _FP8_NAMES if hasattr(torch, name))
 
 
+def is_wire_dtype(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is one a wire can carry (bf16, fp16, the fp8 dtypes)."""
+    return dtype in (*HALF_WIRE_DTYPES, *fp8_wire_dtypes())
+
+
 def wire_dtype_names() -> str:
     return ", ".join(f"torch.{name}" for name in ("bfloat16", "float16", *_FP8_NAMES))
 
@@ -34,6 +39,11 @@ class WireFormat:
 
     dtype: torch.dtype
     block_size: int
+
+    @property
+    def bytes_per_value(self) -> float:
+        """Wire bytes per value, padding aside: the payload and, for fp8, its share of a block's scale."""
+        return self.dtype.itemsize + (4 / self.block_size if self.scaled else 0.0)
 
     @property
     def scaled(self) -> bool:

@@ -24,7 +24,7 @@ from torch import nn
 from gradsync.buffers import ensure_params_ready
 from gradsync.buffers.collectives import Launched, all_reduce
 from gradsync.buffers.low_precision_reduce import LowPrecisionReduction
-from gradsync.buffers.wire_format import HALF_WIRE_DTYPES, WireFormat, fp8_wire_dtypes, wire_dtype_names
+from gradsync.buffers.wire_format import WireFormat, is_wire_dtype, wire_dtype_names
 
 
 class DiLoCo:
@@ -49,7 +49,7 @@ class DiLoCo:
     ) -> None:
         if sync_every < 1:
             raise ValueError(f"DiLoCo: sync_every must be at least 1 step, got {sync_every}")
-        if wire_dtype is not None and wire_dtype not in (*HALF_WIRE_DTYPES, *fp8_wire_dtypes()):
+        if wire_dtype is not None and not is_wire_dtype(wire_dtype):
             raise ValueError(
                 f"DiLoCo: wire_dtype={wire_dtype} is not a wire dtype; use one of {wire_dtype_names()}"
             )

@@ -22,6 +22,7 @@ import torch
 
 from ..layout import ParamSpec
 from ..shard_alignment import parse_shard_alignment
+from ..wire_format import WireFormat
 from . import calibrate
 from .costs import PUBLISHED, LinkCosts
 from .muon import busiest_rank_flops
@@ -62,16 +63,14 @@ def module_shapes(
     return shapes, [unit_of.get(id(p)) for p in model.parameters()]
 
 
-WIRE_BYTES = {"fp32": None, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
-"""``--grad-comm``: payload bytes per value (None: fp32 through the backend's own reduction)."""
+WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+"""``--grad-comm``: the wire's dtype (None: fp32 through the backend's own reduction)."""
 
 
 def grad_wire(name: str, block_size: int) -> GradWire:
-    """``--grad-comm``'s wire; fp8 adds its fp32 scale per block."""
-    payload = WIRE_BYTES[name]
-    if payload is None:
-        return GradWire()
-    return GradWire(payload + (4 / block_size if name == "fp8" else 0.0))
+    """``--grad-comm``'s wire, priced at the bytes per value the wrappers' packing sends."""
+    dtype = WIRE_DTYPES[name]
+    return GradWire() if dtype is None else GradWire(WireFormat(dtype, block_size).bytes_per_value)
 
 
 def costs_from(name: str) -> LinkCosts:
@@ -116,7 +115,7 @@ def main() -> None:
     parser.add_argument(
         "--grad-comm",
         default="fp32",
-        choices=list(WIRE_BYTES),
+        choices=list(WIRE_DTYPES),
         help="what grad reductions send: fp32 reduced by the backend, or a low-precision wire summed in "
         "fp32 (grad_comm_dtype; fp8 with one fp32 scale per --grad-comm-block-size values)",
     )
