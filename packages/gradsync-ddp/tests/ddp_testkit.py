@@ -109,8 +109,9 @@ class Trainer:
         optimizer: str,
         seed: int = 0,
         shard_alignment: Any = None,
+        dtype: torch.dtype = torch.float32,
     ) -> Trainer:
-        model = TinyGPT(seed)
+        model = TinyGPT(seed).to(dtype)
         ddp = DistributedDataParallel(
             ModelParallelConfig(), ddp_config, model, shard_alignment=shard_alignment
         )

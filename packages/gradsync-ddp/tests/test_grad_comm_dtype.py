@@ -20,11 +20,13 @@ STEPS = 8
 BUCKET_SIZE = 600  # several buckets, so overlap launches several reductions during backward
 
 
-def train_with_wire(config: DistributedDataParallelConfig) -> tuple[torch.Tensor, int, list[int]]:
+def train_with_wire(
+    config: DistributedDataParallelConfig, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, int, list[int]]:
     """The params after training, and the bytes the gradient reductions of the last step handed to
     torch.distributed (the first phase of a low-precision one), and the buckets' sizes."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    trainer = Trainer.build(config, "adam")
+    trainer = Trainer.build(config, "adam", dtype=dtype)
     sent = 0
     for step in range(STEPS):
         with issued_collectives() as seen:
@@ -88,3 +90,27 @@ def test_training_with_a_low_precision_wire_stays_near_one_process(
         # all-reduce's is) against the fp32 reduction of the same buckets.
         assert exact_bytes == 4 * sum(sizes)
         assert sent == wire_bytes(sizes, 2, wire), (sent, exact_bytes)
+
+
+@pytest.mark.parametrize(
+    ("distopt", "fields", "lossless"),
+    [
+        # Megatron's recipe (bf16 weights, fp32 grads and main params): one microbatch's grads of bf16
+        # weights are bf16 values, so a bf16 wire summed in fp32 loses nothing at 2 ranks
+        (True, {"grad_reduce_in_fp32": True, "grad_comm_dtype": torch.bfloat16}, True),
+        # bf16 grads: an fp8 wire whose residual is kept in bf16
+        (False, {"grad_comm_dtype": torch.float8_e4m3fn, "grad_comm_error_feedback": True}, False),
+    ],
+    ids=["bf16-weights-fp32-grads", "bf16-grads-fp8-ef"],
+)
+def test_a_wire_under_bf16_weights_against_the_same_run_without_it(
+    distopt: bool, fields: dict[str, object], lossless: bool
+) -> None:
+    plain = {k: v for k, v in fields.items() if k == "grad_reduce_in_fp32"}
+    exact = run_distributed(train_with_wire, 2, args=(config(distopt, True, **plain), torch.bfloat16))
+    cheap = run_distributed(train_with_wire, 2, args=(config(distopt, True, **fields), torch.bfloat16))
+    for (exact_params, exact_bytes, _), (params, sent, _) in zip(exact, cheap, strict=True):
+        assert params.dtype == torch.bfloat16
+        difference = max_relative_difference(params.float(), exact_params.float())
+        assert difference == 0 if lossless else 0 < difference <= 2e-2, difference
+        assert sent < exact_bytes

@@ -75,3 +75,14 @@ def two_wires() -> str:
 def test_two_grad_wires_are_refused_by_name() -> None:
     for message in run_distributed(two_wires, 2):
         assert "megatron_fsdp_grad_comm_dtype" in message
+
+
+def test_a_bf16_wire_under_bf16_weights_with_fp32_main_grads_is_lossless() -> None:
+    """The usual recipe (bf16 weights, fp32 main grads): one microbatch's grads of bf16 weights are bf16
+    values, so a bf16 wire summed in fp32 trains bit-identically to the fp32 reduction, at half its bytes."""
+    recipe = {"dtype": torch.bfloat16, "main_grads_dtype": torch.float32}
+    exact = run_distributed(train, 2, args=("optim_grads_params", recipe))
+    cheap = run_distributed(train, 2, args=("optim_grads_params", {**recipe, "wire": torch.bfloat16}))
+    for (exact_weights, exact_bytes), (weights, sent) in zip(exact, cheap, strict=True):
+        assert all(torch.equal(weights[k], exact_weights[k]) for k in exact_weights)
+        assert sent == exact_bytes // 2

@@ -114,3 +114,20 @@ def test_packed_gathers_are_refused_where_nothing_is_gathered_before_every_use()
         assert "does not gather weights before every use; use 'optim_grads_params'" in zero1
         assert "(HFSDP) is not implemented" in hfsdp
         assert "param_gather_dtype" in ddp
+
+
+@pytest.mark.parametrize(
+    ("dtype", "lossless"), [(torch.bfloat16, True), (torch.float8_e4m3fn, False)], ids=str
+)
+def test_packed_gathers_of_bf16_weights_against_the_same_run_without_them(
+    dtype: torch.dtype, lossless: bool
+) -> None:
+    """bf16 weights with fp32 main weights (the usual recipe): a bf16 gather packs them losslessly, so
+    training is bit-identical to unpacked gathers at the same bytes; an fp8 one rounds them."""
+    recipe = {"dtype": torch.bfloat16, "main_grads_dtype": torch.float32}
+    exact = run_distributed(train, 2, args=(recipe,))
+    packed = run_distributed(train, 2, args=({**recipe, "param_gather_dtype": dtype},))
+    for (exact_weights, exact_bytes), (weights, sent) in zip(exact, packed, strict=True):
+        difference = max_relative_difference(weights, exact_weights)  # bf16 weights, read as fp32
+        assert difference == 0 if lossless else 0 < difference <= 5e-2, difference
+        assert sent == exact_bytes if lossless else sent < 0.7 * exact_bytes
