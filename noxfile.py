@@ -238,6 +238,7 @@ COMPAT_TESTS = {
         "test_local_step.py",
         "test_grad_comm_wire.py",
         "test_param_gather_wire.py",
+        "test_comm_hooks.py",
     ),
     "finalize": ("test_finalize.py",),
 }

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ddp_testkit import Trainer, flat_params, local_microbatches, max_relative_difference, reference_training
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.buffers import DistributedDataParallelConfig, LowPrecisionHookState, low_precision_hook
 from gradsync.buffers.testing import issued_collectives
 from gradsync.groups.testing import run_distributed
 
@@ -21,11 +21,12 @@ STEPS, BUCKET_SIZE = 6, 600
 
 
 def train_with_hook(
-    kind: str, overlap: bool, optimizer: str = "adam"
+    kind: str, overlap: bool, optimizer: str = "adam", **fields: Any
 ) -> tuple[torch.Tensor, list[int], list[float]]:
-    """The params after training, the bytes each step handed to torch.distributed, each step's loss."""
+    """The params after training, the bytes each step handed to torch.distributed, each step's loss
+    (``fields``: more config fields)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=BUCKET_SIZE)
+    config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=BUCKET_SIZE, **fields)
     trainer = Trainer.build(config, optimizer)
     state: Any = None
     hook: Any = {"allreduce": default_hooks.allreduce_hook, "bf16": default_hooks.bf16_compress_hook}.get(
@@ -36,6 +37,12 @@ def train_with_hook(
             process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=1.5
         )
         hook = powerSGD_hook.powerSGD_hook
+    if kind.startswith("wire-"):
+        dtype = torch.bfloat16 if kind == "wire-bf16" else torch.float8_e4m3fn
+        state, hook = (
+            LowPrecisionHookState(None, dtype, error_feedback=kind == "wire-fp8-ef"),
+            low_precision_hook,
+        )
     if hook is not None:
         trainer.ddp.register_comm_hook(state, hook)
     sent, losses = [], []
@@ -78,6 +85,19 @@ def test_torchs_powersgd_hook_compresses_after_its_start_iteration() -> None:
         assert losses[:2] == exact_losses[:2]
         assert abs(losses[-1] - exact_losses[-1]) <= 0.01 * exact_losses[-1]  # it trains as well
         assert max_relative_difference(params, exact) > 1e-4  # and it is not the plain all-reduce
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind", ["wire-bf16", "wire-fp8-ef"])
+def test_the_low_precision_hook_lands_the_config_wires_bits(kind: str, world: int) -> None:
+    wire = torch.bfloat16 if kind == "wire-bf16" else torch.float8_e4m3fn
+    fields = {"grad_comm_dtype": wire, "grad_comm_error_feedback": kind == "wire-fp8-ef"}
+    by_config = run_distributed(train_with_hook, world, args=("none", True), kwargs=fields)
+    by_hook = run_distributed(train_with_hook, world, args=(kind, True))
+    reference = reference_training("adam", world, 1, STEPS)
+    for (want, _, _), (got, _, _) in zip(by_config, by_hook, strict=True):
+        assert max_relative_difference(want, reference) > 1e-6  # the wire is really low-precision
+        assert torch.equal(got, want)
 
 
 def refusals() -> list[str]:

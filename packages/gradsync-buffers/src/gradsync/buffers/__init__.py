@@ -61,6 +61,7 @@ from .watchdog import (
     start_hang_watchdog,
     stop_hang_watchdog,
 )
+from .wire_hook import LowPrecisionHookState, low_precision_hook
 
 # Megatron-Core's private names, for code that imports them (_ParamAndGradBuffer takes Megatron's
 # constructor arguments, so it is a class of its own).
@@ -81,6 +82,7 @@ __all__ = [
     "GradBuffers",
     "HangWatchdog",
     "LargeGradDetector",
+    "LowPrecisionHookState",
     "Muon",
     "ParamAndGradBucket",
     "ParamAndGradBucketGroup",
@@ -109,6 +111,7 @@ __all__ = [
     "group_params_for_buffers",
     "group_specs_for_buffers",
     "is_expert_parallel",
+    "low_precision_hook",
     "muon_param_groups",
     "non_default_fields",
     "non_default_values",

@@ -210,7 +210,9 @@ class ParamAndGradBucketGroup:
 
     def _launch_hook(self, position: int, bucket: ParamAndGradBucket) -> collectives.Launched:
         assert self.comm_hook is not None
-        work = self.comm_hook.launch(bucket, self.hook_bucket_offset + position)
+        params = bucket.params_list
+        grads = [param.main_grad for param in params]  # type: ignore[attr-defined]
+        work = self.comm_hook.launch(bucket.grad_data, params, grads, self.hook_bucket_offset + position)
         launched = collectives.Launched([work])
         return launched.record("all_reduce", f"{self.label}.hook", bucket.grad_data, self.collective_group)
 

@@ -100,6 +100,27 @@ class Launched:
         if following is not None:
             following().wait()
 
+    def future(self, result: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """These collectives as a torch future of ``result``, as a comm hook returns: it completes once
+        every work's future has and its callback has run what comes after, follow-ups included (issued
+        and waited from the callback)."""
+        works = [work for work in self.works if work is not None]
+        if not works:
+            self.wait()
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(result)
+            return done
+
+        def finish(_: torch.futures.Future[Any]) -> torch.Tensor:
+            # the works have completed; gloo deadlocks on a work waited inside its own future's callback
+            self.works = []
+            for issued in self.issued:
+                issued.works = []
+            self.wait()
+            return result
+
+        return torch.futures.collect_all([work.get_future() for work in works]).then(finish)
+
     def _wait_issued(self) -> None:
         """Wait each recorded collective's works: timed for telemetry, polled by the hang watchdog."""
         guard = watchdog.active_watchdog()

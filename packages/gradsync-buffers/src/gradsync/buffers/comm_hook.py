@@ -1,5 +1,5 @@
-"""Communication hooks on gradsync's buckets, in torch DDP's protocol: ``hook(state, bucket)`` returns a
-``torch.futures.Future`` of the bucket's reduced (averaged) grads.
+"""Communication hooks on both wrappers' buckets, in torch DDP's protocol: ``hook(state, bucket)`` returns
+a ``torch.futures.Future`` of the bucket's reduced (averaged) grads.
 
 The bucket handed to the hook answers what torch's ``dist.GradBucket`` answers (``index()``, ``buffer()``,
 ``gradients()``, ``parameters()``, ``is_last()``, ``set_buffer()``), so torch's own hooks run unchanged:
@@ -16,31 +16,37 @@ interleave, at the cost of overlapping one bucket's reduction at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.nn import Parameter
-
-from .buffer import ParamAndGradBucket
 
 CommHook = Callable[[Any, "HookBucket"], "torch.futures.Future[Any]"]
 """``hook(state, bucket)``: a future of the bucket's reduced grads (a tensor, or a list of one)."""
 
 
 class HookBucket:
-    """One bucket as a comm hook sees it. ``index`` counts the model's buckets in reduction order: the
-    first is reduced first (it holds the last layers), the last one ends the iteration."""
+    """One bucket as a comm hook sees it: its flat grads, its params and each param's grad (a view into
+    the flat grads). ``index`` numbers the model's buckets from its end (the first is usually reduced
+    first: it holds the last layers) and stays the bucket's across steps, as hooks key their state by
+    it; ``is_last`` marks the last bucket handed over in a reduction cycle, which ends the iteration."""
 
-    def __init__(self, bucket: ParamAndGradBucket, index: int, count: int) -> None:
-        self._bucket, self._index, self._count = bucket, index, count
-        self._buffer = bucket.grad_data
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        params: Sequence[torch.nn.Parameter],
+        grads: Sequence[torch.Tensor],
+        index: int,
+        last: bool,
+    ) -> None:
+        self._buffer, self._params, self._grads = buffer, list(params), list(grads)
+        self._index, self._last = index, last
 
     def index(self) -> int:
         return self._index
 
     def is_last(self) -> bool:
-        return self._index == self._count - 1
+        return self._last
 
     def buffer(self) -> torch.Tensor:
         """The bucket's flat grads (padding included: zeros that every hook leaves meaningless)."""
@@ -49,12 +55,12 @@ class HookBucket:
     def set_buffer(self, buffer: torch.Tensor) -> None:
         self._buffer = buffer
 
-    def parameters(self) -> list[Parameter]:
-        return list(self._bucket.params_list)
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self._params)
 
     def gradients(self) -> list[torch.Tensor]:
         """Each param's grad, a view into :meth:`buffer` (so writing into it writes the bucket)."""
-        return [param.main_grad for param in self._bucket.params_list]  # type: ignore[attr-defined]
+        return list(self._grads)
 
 
 class HookWork:
@@ -75,16 +81,28 @@ class HookWork:
 
 
 class RegisteredHook:
-    """A wrapper's registered hook: its state, the number of buckets it sees, and the future of the last
-    bucket handed to it (waited before the next one is)."""
+    """A wrapper's registered hook: its state, the number of buckets it is handed per reduction cycle
+    (each once, in an order that may change between steps), and the future of the last one handed over
+    (waited before the next one is)."""
 
     def __init__(self, state: Any, hook: CommHook, count: int) -> None:
         self.state, self.hook, self.count = state, hook, count
         self._pending: HookWork | None = None
+        self._handed = 0  # buckets handed over in this cycle
 
-    def launch(self, bucket: ParamAndGradBucket, index: int) -> HookWork:
+    def launch(
+        self,
+        buffer: torch.Tensor,
+        params: Sequence[torch.nn.Parameter],
+        grads: Sequence[torch.Tensor],
+        index: int,
+    ) -> HookWork:
+        """Hand the hook one bucket: ``buffer`` (scaled so the hook's mean is the wanted reduction), its
+        ``params`` and their ``grads`` (views into ``buffer``); waiting the work lands the result there."""
         if self._pending is not None:
             self._pending.future.wait()
-        work = HookWork(self.hook(self.state, HookBucket(bucket, index, self.count)), bucket.grad_data)
+        self._handed = (self._handed + 1) % self.count
+        bucket = HookBucket(buffer, params, grads, index, last=self._handed == 0)
+        work = HookWork(self.hook(self.state, bucket), buffer)
         self._pending = work
         return work

@@ -152,7 +152,8 @@ class GradCommWire:
             WireFormat(config.grad_comm_dtype, config.grad_comm_block_size), config.grad_comm_error_feedback
         )
 
-    def _residual(self, key: Hashable, grads: torch.Tensor) -> torch.Tensor | None:
+    def residual(self, key: Hashable, grads: torch.Tensor) -> torch.Tensor | None:
+        """With error feedback, the residual of reduction ``key`` (zeros at its first launch); else None."""
         if self.residuals is None:
             return None
         residual = self.residuals.get(key)
@@ -174,7 +175,7 @@ class GradCommWire:
         """Reduce ``grads`` over ``group`` (``key`` names the reduction for its residual): the bytes this rank
         sends, and the handle."""
         reduction = LowPrecisionReduction(
-            grads, group, self.wire, average=average, residual=self._residual(key, grads), cuts=cuts
+            grads, group, self.wire, average=average, residual=self.residual(key, grads), cuts=cuts
         )
         launched = reduction.reduce_scatter(label) if scatter else reduction.all_reduce(label)
         return reduction.wire_bytes, launched

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.buffers.collectives import Launched, all_gather_shards, chain
+from gradsync.buffers.comm_hook import RegisteredHook
 from gradsync.buffers.grad_checks import LocalGradNorms
 from gradsync.buffers.low_precision_reduce import GradCommWire, reduce_bucket
 from gradsync.buffers.shard_alignment import shard_alignment_of
@@ -191,6 +192,8 @@ class FlatParamBucket:
                 ]
                 for param, view in zip(spec.params, self._grad_items, strict=True):
                     param.main_grad = view  # type: ignore[attr-defined]
+        self.comm_hook: RegisteredHook | None = None  # MegatronFSDP.register_comm_hook's
+        self.hook_index = 0  # this bucket's index as the hook sees it
         self.status = BucketStatus.READY_TO_USE
         self.stats = CommStats()  # this step's collectives (bytes, spans), as gradsync-ddp's bucket groups
         self._gather: Launched | None = None
@@ -427,16 +430,32 @@ class FlatParamBucket:
             wire = self.grad if self.comm_dtype == self.grad_dtype else self.grad.to(self.comm_dtype)
         if norms is not None:
             norms.record(self.bucket_id, wire)
-        if reduction.factor != 1.0:
-            wire.mul_(reduction.factor)
-        scatter = self.sharding.shard_main
-        launched, sent = reduce_bucket(
-            wire, self.group, self.grad_comm, self.bucket_id, scatter=scatter, average=reduction.average,
-            cuts=self.inner_cuts, label=self.label,
-        )  # fmt: skip
+        if self.comm_hook is not None:
+            launched = self._launch_hook(wire, reduction)
+            self.record("all_reduce", wire, self.group)
+        else:
+            if reduction.factor != 1.0:
+                wire.mul_(reduction.factor)
+            scatter = self.sharding.shard_main
+            launched, sent = reduce_bucket(
+                wire, self.group, self.grad_comm, self.bucket_id, scatter=scatter,
+                average=reduction.average, cuts=self.inner_cuts, label=self.label,
+            )  # fmt: skip
+            self.record("reduce_scatter" if scatter else "all_reduce", wire, self.group, sent)
         launched.after.append(lambda: self.finish_reduce(wire))
-        self.record("reduce_scatter" if scatter else "all_reduce", wire, self.group, sent)
         return launched
+
+    def _launch_hook(self, wire: torch.Tensor, reduction: GradReduction) -> Launched:
+        """Hand the whole-bucket ``wire`` to the comm hook, which averages it over the group (as torch's
+        hooks do): scaled first so that mean is the reduction asked for. Sharded strategies then keep
+        their shard of the all-reduced bucket."""
+        assert self.comm_hook is not None
+        scale = reduction.factor * (1 if reduction.average else self.group.size())
+        if scale != 1.0:
+            wire.mul_(scale)
+        grads = [self._item_view(wire, 0, item.offset, item.end, item.shape) for item in self.layout.items]
+        work = self.comm_hook.launch(wire, self.spec.params, grads, self.hook_index)
+        return Launched([work]).record("all_reduce", f"{self.label}.hook", wire, self.group)
 
     def finish_reduce_shard(self, shard: torch.Tensor) -> None:
         """Land this rank's reduced shard (a reduce-scatter's result) in the grad buffer."""

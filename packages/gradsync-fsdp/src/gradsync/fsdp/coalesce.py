@@ -169,9 +169,15 @@ class ReductionGroup:
             bucket.record("all_gather", bucket.weight, group)
 
     def launch_reduce(self, reduction: GradReduction, norms: LocalGradNorms | None) -> Launched:
-        """Scale and reduce every bucket's grads (see each bucket's ``launch_reduce``)."""
+        """Scale and reduce every bucket's grads (see each bucket's ``launch_reduce``). A comm hook is
+        handed each bucket on its own, as the hook's protocol has it."""
         if len(self.buckets) == 1:
             return self.buckets[0].launch_reduce(reduction, norms)
+        if self.buckets[0].comm_hook is not None:
+            launched = Launched()
+            for bucket in self.buckets:
+                launched.extend(bucket.launch_reduce(reduction, norms))
+            return launched
         if norms is not None:
             for bucket in self.buckets:
                 norms.record(bucket.bucket_id, bucket.unreduced_grads())

@@ -36,6 +36,7 @@ from gradsync.buffers import (
     settings_of,
     telemetry,
 )
+from gradsync.buffers.comm_hook import CommHook, RegisteredHook
 from gradsync.buffers.grad_checks import LocalGradNorms, non_finite_ranks
 from gradsync.buffers.low_precision_reduce import GradCommWire
 from gradsync.buffers.shard_alignment import ShardAlignmentSpec, ShardBalance, set_shard_alignments
@@ -851,6 +852,29 @@ class MegatronFSDP(nn.Module):
             yield
         finally:
             self.set_model_auto_sync(previous)
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce each bucket's grads with ``hook(state, bucket)``, torch DDP's protocol (gradsync's
+        addition, as on gradsync-ddp's wrapper), so torch's own hooks run unchanged, PowerSGD among them.
+        The hook averages the whole bucket over the data-parallel group; the sharded strategies keep
+        their shard of it, so the wire carries what the hook sends (an all-reduce's traffic with torch's
+        hooks) instead of a reduce-scatter. Register it once, before the first backward."""
+        if self.ddp_config.grad_comm_dtype is not None:
+            raise ValueError(
+                "MegatronFSDP.register_comm_hook: grad_comm_dtype already sets how buckets are reduced; "
+                "unset it, or keep it and register no hook"
+            )
+        if self.outer is not None:
+            raise NotImplementedError(
+                "MegatronFSDP.register_comm_hook: HSDP reduces in two stages over two groups, and a hook "
+                "reduces over one; not supported with an outer data-parallel group"
+            )
+        reducing = [bucket for bucket in self.buckets if bucket.grad is not None]
+        if any(bucket.comm_hook is not None for bucket in reducing):
+            raise RuntimeError("MegatronFSDP.register_comm_hook can only be called once")
+        registered = RegisteredHook(state, hook, len(reducing))
+        for index, bucket in enumerate(reversed(reducing)):  # numbered from the model's end, as DDP's
+            bucket.comm_hook, bucket.hook_index = registered, index
 
     def mark_stepped(self) -> None:
         """An optimizer updated the params: the next forward (or weight read) installs the weights unless
