@@ -200,3 +200,19 @@ def test_grad_comm_powersgd_trains_with_torchs_hook(tmp_path: Path) -> None:
         "ddp+overlap sgd powersgd-r4 wire",
         "ddp+overlap sgd fp32 wire",
     ]
+
+
+def test_grad_comm_diloco_syncs_every_h_steps(tmp_path: Path) -> None:
+    """--grad-comm diloco-h8 trains each rank as its own replica, averaging the replicas' moves every 8
+    steps: the first loss is the fp32 run's, the wire carries the weights twice in 16 steps instead of
+    the grads every step, and the loss still falls; an fsdp strategy is refused by flag."""
+    trained(tmp_path, "--steps", "16", "--strategy", "ddp", "--grad-comm", "diloco-h8")
+    diloco, fp32 = report_rows(tmp_path, "ddp sgd")
+    assert [diloco[1], fp32[1]] == ["ddp sgd diloco-h8 wire", "ddp sgd fp32 wire"]
+    assert diloco[3] == fp32[3]
+    assert float(diloco[4]) < 0.9 * float(diloco[3])
+    # the mean over steps 2-16 of two syncs, each the weights' fp32 bytes: 2/15 of a grad all-reduce's
+    assert abs(float(diloco[-2]) - 2 / 15 * float(fp32[-2])) <= 0.01
+    refused = torchrun(2, "--steps", "2", "--strategy", "fsdp-optim", "--grad-comm", "diloco-h8")
+    assert refused.returncode != 0
+    assert "--grad-comm diloco-h8: needs a ddp strategy" in refused.stderr

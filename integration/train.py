@@ -28,6 +28,7 @@ from torch import nn
 from toygpt import checkpoint
 from toygpt.data import Corpus, local_rows
 from toygpt.full_state import gather_full_params
+from toygpt.local_sync import DILOCO, check_layout, local_sync, replica_groups
 from toygpt.model import GPTConfig, GPTStage
 from toygpt.pipeline import forward_backward, global_loss
 from toygpt.report import StepRecord, progress_line, records_to_json, write_report
@@ -164,11 +165,11 @@ def grad_comms(opts: Options) -> list[str]:
     """The ``--grad-comm`` wires to train with, in order: the fp32 wire first whenever another is asked
     for (the reference each is compared with)."""
     wires = [wire.strip() for wire in opts.grad_comm.split(",") if wire.strip()]
-    unknown = [wire for wire in wires if wire not in GRAD_COMMS and wire not in COMM_HOOKS]
+    known = [*GRAD_COMMS, *COMM_HOOKS, *DILOCO]
+    unknown = [wire for wire in wires if wire not in known]
     if unknown or not wires:
         raise ValueError(
-            f"--grad-comm takes a comma-separated list of {', '.join([*GRAD_COMMS, *COMM_HOOKS])}; got "
-            f"{opts.grad_comm!r}"
+            f"--grad-comm takes a comma-separated list of {', '.join(known)}; got {opts.grad_comm!r}"
         )
     return list(dict.fromkeys(["fp32", *wires] if wires != ["fp32"] else wires))
 
@@ -203,6 +204,9 @@ def run(opts: Options, baseline: dict[str, list[StepRecord]] | None = None) -> R
     """Train on the already initialised default process group; every rank calls this. ``baseline``: runs
     to put beside this one in the report (the same model and data with another optimizer)."""
     rank = dist.get_rank()
+    if opts.grad_comm in DILOCO:
+        checkpoints = bool(opts.save_every or opts.resume)
+        check_layout(opts.grad_comm, opts.strategy, opts.tp * opts.pp * opts.ep, checkpoints)
     groups = initialize_model_parallel(
         opts.tp,
         opts.pp,
@@ -217,7 +221,7 @@ def run(opts: Options, baseline: dict[str, list[StepRecord]] | None = None) -> R
     wrapped = wrap(
         opts.strategy,
         stage,
-        groups,
+        replica_groups(groups) if opts.grad_comm in DILOCO else groups,
         make_optimizer(opts, groups.tp),
         opts.bucket_size,
         bf16=opts.bf16,
@@ -228,6 +232,9 @@ def run(opts: Options, baseline: dict[str, list[StepRecord]] | None = None) -> R
     if opts.grad_comm in COMM_HOOKS:
         register_powersgd(wrapped.model, opts, groups.dp_cp)
     model, optimizer = wrapped.model, wrapped.optimizer
+    diloco = local_sync(opts.grad_comm, model, optimizer, groups) if opts.grad_comm in DILOCO else None
+    if diloco is not None:
+        optimizer = diloco
     corpus = Corpus.from_stdlib(opts.corpus_bytes)
     dp_rank, dp_size = groups.dp_cp.rank(), groups.dp_cp.size()  # type: ignore[union-attr]
     local_batch = opts.global_batch // dp_size
@@ -248,6 +255,7 @@ def run(opts: Options, baseline: dict[str, list[StepRecord]] | None = None) -> R
         if step == opts.kill_at_step and rank == opts.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
         t0 = time.perf_counter()
+        synced_bytes = diloco.communicated_bytes if diloco else 0
         model.zero_grad_buffer()  # a new step: empty grad buffers, reset the bucket groups
         optimizer.zero_grad()
         batch = corpus.batch(step, opts.global_batch, opts.seq_len, seed=opts.seed)
@@ -263,7 +271,8 @@ def run(opts: Options, baseline: dict[str, list[StepRecord]] | None = None) -> R
             step + 1,
             global_loss(loss, groups.dp_cp, groups.pp),
             opts.global_batch * opts.seq_len / (t3 - t0),
-            wrapped.comm_bytes(),
+            # a DiLoCo replica's wrapper reduces over this rank alone: only the syncs leave it
+            diloco.communicated_bytes - synced_bytes if diloco else wrapped.comm_bytes(),
             t1 - t0,
             t2 - t1,
             t3 - t2,
@@ -325,6 +334,13 @@ def write_outputs(
         + (
             ": torch's PowerSGD comm hook (comm MiB/step counts the buckets handed to it, not what it sends)"
             if opts.grad_comm in COMM_HOOKS
+            else ""
+        )
+        + (
+            f": DiLoCo, each rank a replica on its own batch, the replicas' moves averaged every "
+            f"{DILOCO[opts.grad_comm].sync_every} steps (outer Nesterov SGD, lr 0.7, momentum 0.9); "
+            "losses are the replicas' mean"
+            if opts.grad_comm in DILOCO
             else ""
         ),
     }

@@ -39,6 +39,12 @@ def steady_median(records: list[StepRecord], attr: str) -> float:
     return float(statistics.median(getattr(r, attr) for r in (records[1:] or records)))
 
 
+def steady_mean(records: list[StepRecord], attr: str) -> float:
+    """Mean of ``attr`` over the steps after the first: the per-step share of what some steps do only
+    (DiLoCo's syncs)."""
+    return float(statistics.fmean(getattr(r, attr) for r in (records[1:] or records)))
+
+
 def _summary_row(name: str, records: list[StepRecord]) -> str:
     val = [r.val_loss for r in records if r.val_loss is not None]
 
@@ -52,7 +58,7 @@ def _summary_row(name: str, records: list[StepRecord]) -> str:
         f"{ms('compute_s'):.1f} | "
         f"{ms('sync_s'):.1f} | {ms('optimizer_s'):.1f} | "
         f"{100 * steady_median(records, 'exposed_comm'):.1f}% | "
-        f"{steady_median(records, 'comm_bytes') / 2**20:.2f} |"
+        f"{steady_mean(records, 'comm_bytes') / 2**20:.2f} |"
     )
 
 
@@ -64,8 +70,8 @@ def write_report(out_dir: Path, runs: dict[str, list[StepRecord]], facts: dict[s
     lines += [f"- **{k}**: {v}" for k, v in facts.items()]
     lines += [
         "",
-        "Times are medians over the steps after the first; exposed comm is the share of the step spent "
-        "waiting for grad sync in `finalize_model_grads`.",
+        "Times are medians over the steps after the first, comm MiB/step a mean over them; exposed comm "
+        "is the share of the step spent waiting for grad sync in `finalize_model_grads`.",
         "",
         "| run | steps | first loss | last loss | last val loss | tokens/s | step ms | compute ms | "
         "grad-sync wait ms | optimizer ms | exposed comm | comm MiB/step |",

@@ -51,8 +51,9 @@ def simulated(replicas: int, batch_of: Any) -> list[torch.Tensor]:
     return [flat_params(m) for m in models]
 
 
-def train_plain(wire_dtype: torch.dtype | None) -> list[torch.Tensor]:
-    """This rank's weights after every step (each rank one replica, its own batches)."""
+def train_plain(wire_dtype: torch.dtype | None) -> tuple[list[torch.Tensor], int]:
+    """This rank's weights after every step (each rank one replica, its own batches), and the bytes its
+    syncs sent."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = TinyGPT()
     diloco = DiLoCo(
@@ -65,7 +66,7 @@ def train_plain(wire_dtype: torch.dtype | None) -> list[torch.Tensor]:
         model(local_microbatches(step, rank, world, 1)[0]).backward()
         diloco.step()
         history.append(flat_params(model))
-    return history
+    return history, diloco.communicated_bytes
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -75,7 +76,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("world", [2, 4])
 def test_diloco_equals_its_replicas_simulated_in_one_process(world: int) -> None:
     want = simulated(world, lambda step, replica: local_microbatches(step, replica, world, 1)[0])
-    runs = run_distributed(train_plain, world, args=(None,))
+    runs = [history for history, _ in run_distributed(train_plain, world, args=(None,))]
     for rank, history in enumerate(runs):
         assert relative(history[-1], want[rank]) <= 1e-6, rank
     for step, states in enumerate(zip(*runs, strict=True)):
@@ -86,8 +87,11 @@ def test_diloco_equals_its_replicas_simulated_in_one_process(world: int) -> None
 def test_a_low_precision_wire_stays_near_the_fp32_one() -> None:
     exact = run_distributed(train_plain, 2, args=(None,))
     cheap = run_distributed(train_plain, 2, args=(torch.bfloat16,))
-    for fp32, bf16 in zip(exact, cheap, strict=True):
+    syncs = STEPS // SYNC_EVERY
+    for (fp32, fp32_bytes), (bf16, bf16_bytes) in zip(exact, cheap, strict=True):
         assert 0 < relative(bf16[-2], fp32[-2]) <= 1e-3  # right after the second sync
+        assert fp32_bytes == syncs * 4 * sum(p.numel() for p in TinyGPT().parameters())
+        assert bf16_bytes == fp32_bytes // 2  # the all-to-all's packed pieces, one per rank
 
 
 def train_replicated_groups(distopt: bool) -> torch.Tensor:

@@ -70,6 +70,9 @@ class DiLoCo:
             self.synced, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
         )
         self.local_steps = 0
+        self.communicated_bytes = 0
+        """Bytes this rank has put on the wire in its syncs: the all-reduce's payload, or the low-precision
+        wire's packed all-to-all (as the wrappers count their reductions)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
@@ -103,8 +106,10 @@ class DiLoCo:
 
     def _average(self, moves: torch.Tensor) -> Launched:
         if self.wire is None:
+            self.communicated_bytes += moves.numel() * moves.element_size()
             return all_reduce(moves, self.group, average=True, label="diloco")
         reduction = LowPrecisionReduction(moves, self.group, self.wire, average=True, residual=None)
+        self.communicated_bytes += reduction.wire_bytes
         return reduction.all_reduce("diloco")
 
     def state_dict(self) -> dict[str, Any]:
