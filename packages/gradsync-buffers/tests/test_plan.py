@@ -219,3 +219,34 @@ def test_a_low_precision_grad_wire_scales_only_the_reductions(name: str, per_val
     tree = LinkCosts.uniform("t", alpha=1e-5, busbw_gbps=10.0, source="", tree_all_reduce=True)
     huge_dp = predict("ddp", SPECS, 1024, tree, bucket_size=size, wire=wire)
     assert huge_dp.latency_seconds == pytest.approx(2 * 1023 * 1e-5 * huge_dp.buckets)  # ring steps
+
+
+def test_powersgd_sends_its_factors_and_the_tensors_it_leaves_whole() -> None:
+    """Worked by hand for torch's rule (compress a matrix when its rank-r factors are 2x smaller): a
+    64 x 64 weight goes as 64 x 4 P and Q factors, a 64 x 2 one and a bias go whole; three fp32
+    all-reduces per bucket, as a ddp strategy's all-reduce is priced, and refused for the others."""
+    shapes = [[64, 64], [64, 2], [64]]
+    wire = grad_wire("powersgd-r4", 32, shapes)
+    total = 64 * 64 + 64 * 2 + 64
+    assert wire.all_reduce_shares == (
+        pytest.approx(192 / total),
+        pytest.approx(256 / total),
+        pytest.approx(256 / total),
+    )
+    specs = specs_from_shapes(shapes)
+    fp32 = predict("ddp", specs, 8, COSTS, bucket_size=10_000)
+    hooked = predict("ddp", specs, 8, COSTS, bucket_size=10_000, wire=wire)
+    assert hooked.wire_bytes == pytest.approx(fp32.wire_bytes * 704 / total)
+    assert hooked.latency_seconds == pytest.approx(3 * fp32.latency_seconds)  # three all-reduces a bucket
+    with pytest.raises(ValueError, match="price it for the ddp strategy"):
+        predict("distopt", specs, 8, COSTS, bucket_size=10_000, wire=wire)
+
+
+def test_command_line_prices_powersgd_for_ddp_only() -> None:
+    command = [sys.executable, "-m", "gradsync.buffers.plan", "--gpt", "256", "2", "1000", "--dp", "8",
+               "--costs", "nccl-100g", "--grad-comm", "powersgd-r4"]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    assert "grad wire: powersgd-r4" in out
+    assert "| distopt | - |" in out
+    assert "PowerSGD is priced for ddp only" in out
+    assert [line for line in out.splitlines() if line.startswith("| ddp | 8 |")]

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -26,7 +28,15 @@ from ..wire_format import WireFormat
 from . import calibrate
 from .costs import PUBLISHED, LinkCosts
 from .muon import busiest_rank_flops
-from .predict import STRATEGIES, GradWire, Prediction, predict, recommend_bucket_size, specs_from_shapes
+from .predict import (
+    STRATEGIES,
+    GradWire,
+    Prediction,
+    powersgd_wire,
+    predict,
+    recommend_bucket_size,
+    specs_from_shapes,
+)
 
 CANDIDATES = (1_000_000, 4_000_000, 10_000_000, 25_000_000, 40_000_000, 100_000_000)
 
@@ -67,8 +77,18 @@ WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8
 """``--grad-comm``: the wire's dtype (None: fp32 through the backend's own reduction)."""
 
 
-def grad_wire(name: str, block_size: int) -> GradWire:
-    """``--grad-comm``'s wire, priced at the bytes per value the wrappers' packing sends."""
+POWERSGD = re.compile(r"powersgd-r([1-9][0-9]*)")
+"""``--grad-comm powersgd-rN``: torch's PowerSGD comm hook at matrix rank N (the ddp strategy)."""
+
+
+def grad_wire(name: str, block_size: int, shapes: Sequence[Sequence[int]] = ()) -> GradWire:
+    """``--grad-comm``'s wire, priced at the bytes per value the wrappers' packing sends, or PowerSGD's
+    factors for the model's ``shapes``."""
+    powersgd = POWERSGD.fullmatch(name)
+    if powersgd:
+        return powersgd_wire(shapes, int(powersgd.group(1)))
+    if name not in WIRE_DTYPES:
+        raise SystemExit(f"--grad-comm {name!r}: choose one of {', '.join(WIRE_DTYPES)} or powersgd-rN")
     dtype = WIRE_DTYPES[name]
     return GradWire() if dtype is None else GradWire(WireFormat(dtype, block_size).bytes_per_value)
 
@@ -115,9 +135,9 @@ def main() -> None:
     parser.add_argument(
         "--grad-comm",
         default="fp32",
-        choices=list(WIRE_DTYPES),
-        help="what grad reductions send: fp32 reduced by the backend, or a low-precision wire summed in "
-        "fp32 (grad_comm_dtype; fp8 with one fp32 scale per --grad-comm-block-size values)",
+        help="what grad reductions send: fp32 reduced by the backend, a low-precision wire summed in "
+        "fp32 (bf16, fp16, fp8: grad_comm_dtype; fp8 with one fp32 scale per --grad-comm-block-size "
+        "values), or powersgd-rN (torch's PowerSGD hook at rank N, ddp only)",
     )
     parser.add_argument("--grad-comm-block-size", type=int, default=32)
     parser.add_argument("--forward-ms", type=float, default=0.0)
@@ -148,14 +168,20 @@ def main() -> None:
         shapes, units = module_shapes(args.module, args.unit_class)
     specs: list[ParamSpec] = specs_from_shapes(shapes, parse_shard_alignment(args.shard_alignment))
     costs = costs_from(args.costs)
-    wire = grad_wire(args.grad_comm, args.grad_comm_block_size)
+    wire = grad_wire(args.grad_comm, args.grad_comm_block_size, shapes)
     forward, backward = args.forward_ms / 1e3, args.backward_ms / 1e3
     print(f"{sum(s.numel for s in specs) / 1e6:.1f}M params; costs: {costs.name} ({costs.source})")
-    print(f"grad wire: {args.grad_comm} ({wire.value_bytes:g} bytes per value)\n")
+    hook = (
+        ": fp32 all-reduces of the whole tensors, the P and the Q factors" if wire.all_reduce_shares else ""
+    )
+    print(f"grad wire: {args.grad_comm} ({wire.value_bytes:.3g} bytes per value{hook})\n")
     print("| strategy | dp | bucket | buckets | comm ms | exposed ms | bound | wire MiB/rank | peak GiB/rank "
           "| padding MiB | recommended bucket |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for strategy in args.strategy:
+        if wire.all_reduce_shares and strategy != "ddp":
+            print(f"| {strategy} |" + " - |" * 9 + " PowerSGD is priced for ddp only (a hook all-reduces) |")
+            continue
         if strategy == "zero3" and units is None:
             print("| zero3 |" + " - |" * 9 + " needs units (--unit-class, or units in --shapes) |")
             continue

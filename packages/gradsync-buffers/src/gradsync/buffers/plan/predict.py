@@ -21,6 +21,7 @@ prefetched) and three units' unreduced grads (two reductions in flight, one fill
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,12 +42,18 @@ class GradWire:
     """What a grad reduction sends per value: fp32 reduced by the backend (``bytes_per_value`` None), or a
     low-precision wire summed in fp32 (``grad_comm_dtype``): an all-to-all priced as a ring reduce-scatter
     of the packed bytes, and, for an all-reduce, an all-gather of the packed sums (never NCCL's tree). The
-    packing's own compute is not priced."""
+    packing's own compute is not priced. ``all_reduce_shares``: a comm hook's fp32 all-reduces instead
+    (PowerSGD's), each as a share of the bucket's values (see :func:`powersgd_wire`)."""
 
     bytes_per_value: float | None = None
+    all_reduce_shares: tuple[float, ...] = ()
 
     def collectives(self, kind: str, size: int) -> list[tuple[str, float]]:
         """The collectives, with their bytes, that reduce ``size`` values as ``kind``."""
+        if self.all_reduce_shares:
+            if kind != "all_reduce":
+                raise ValueError("a comm hook replaces all-reduces only: price it for the ddp strategy")
+            return [("all_reduce", size * FP32 * share) for share in self.all_reduce_shares]
         if self.bytes_per_value is None:
             return [(kind, size * FP32)]
         packed = size * self.bytes_per_value
@@ -61,7 +68,32 @@ class GradWire:
 
     @property
     def value_bytes(self) -> float:
+        if self.all_reduce_shares:
+            return FP32 * sum(self.all_reduce_shares)
         return FP32 if self.bytes_per_value is None else self.bytes_per_value
+
+
+def powersgd_wire(shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: float = 2.0) -> GradWire:
+    """torch's ``powerSGD_hook`` once compressing: three fp32 all-reduces per bucket, of the tensors it
+    leaves whole (vectors, and matrices whose factors would not be ``min_compression_rate`` times
+    smaller), of the P factors (rows x r per matrix) and of the Q factors (columns x r), each taken as
+    the same share of every bucket as of the whole model. The matmuls and orthogonalisation, and the
+    plain all-reduces before ``start_powerSGD_iter``, are not priced."""
+    whole = left = right = 0
+    total = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        total += numel
+        rows = shape[0] if len(shape) > 1 else 0
+        cols = numel // rows if rows else 0
+        r = min(rows, cols, rank)
+        if rows and (rows + cols) * r * min_compression_rate < numel:
+            left, right = left + rows * r, right + cols * r
+        else:
+            whole += numel
+    if not total:
+        raise ValueError("powersgd_wire: no param shapes to price")
+    return GradWire(all_reduce_shares=tuple(part / total for part in (whole, left, right) if part))
 
 
 FP32_WIRE = GradWire()
