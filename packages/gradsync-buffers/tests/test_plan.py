@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gradsync.buffers.matrix_optim import newton_schulz
 from gradsync.buffers.plan import PUBLISHED, LinkCosts, predict, recommend_bucket_size, specs_from_shapes
-from gradsync.buffers.plan.__main__ import gpt_shapes, gpt_units, grad_wire, module_shapes
+from gradsync.buffers.plan.__main__ import gather_wire_bytes, gpt_shapes, gpt_units, grad_wire, module_shapes
 from gradsync.buffers.plan.muon import busiest_rank_flops, newton_schulz_flops
 from gradsync.buffers.plan.predict import ADAM_STATE_BYTES, FP32, bucket_sizes
 from gradsync.buffers.shard_alignment import parse_shard_alignment
@@ -250,3 +250,23 @@ def test_command_line_prices_powersgd_for_ddp_only() -> None:
     assert "| distopt | - |" in out
     assert "PowerSGD is priced for ddp only" in out
     assert [line for line in out.splitlines() if line.startswith("| ddp | 8 |")]
+
+
+@pytest.mark.parametrize(("name", "per_value"), [("bf16", 2.0), ("fp8", 1.0 + 4 / 32)])
+def test_packed_zero3_gathers_scale_only_the_gathers(name: str, per_value: float) -> None:
+    """ZeRO-3's weight gathers send the packed bytes per value and its grads' reduce-scatters fp32 (worked
+    by hand as in the test above); the strategies that gather in fp32 refuse a packed gather, as the
+    config does."""
+    assert gather_wire_bytes(name, 32) == per_value
+    dp = 4
+    numels = [s.numel for s in SPECS]
+    unit = sum(bucket_sizes(numels[1:13], None, dp))
+    outside = sum(bucket_sizes([numels[0], numels[-2], numels[-1]], 40_000_000, dp))
+    got = predict("zero3", SPECS, dp, COSTS, units=UNITS, gather_bytes=per_value)
+    gathered, reduced = (4 + 3) * unit + outside, 4 * unit + outside
+    assert got.wire_bytes == pytest.approx(3 / 4 * (gathered * per_value + reduced * FP32))
+    assert got.latency_seconds == pytest.approx(
+        predict("zero3", SPECS, dp, COSTS, units=UNITS).latency_seconds
+    )
+    with pytest.raises(ValueError, match="packed weight gathers are ZeRO-3's"):
+        predict("distopt", SPECS, dp, COSTS, gather_bytes=per_value)

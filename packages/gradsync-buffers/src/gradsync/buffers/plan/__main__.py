@@ -29,6 +29,7 @@ from . import calibrate
 from .costs import PUBLISHED, LinkCosts
 from .muon import busiest_rank_flops
 from .predict import (
+    FP32,
     STRATEGIES,
     GradWire,
     Prediction,
@@ -93,6 +94,12 @@ def grad_wire(name: str, block_size: int, shapes: Sequence[Sequence[int]] = ()) 
     return GradWire() if dtype is None else GradWire(WireFormat(dtype, block_size).bytes_per_value)
 
 
+def gather_wire_bytes(name: str, block_size: int) -> float:
+    """``--param-gather``'s bytes per value: fp32, or the packed wire's (payload and fp8 scales)."""
+    dtype = WIRE_DTYPES[name]
+    return float(FP32) if dtype is None else WireFormat(dtype, block_size).bytes_per_value
+
+
 def costs_from(name: str) -> LinkCosts:
     if name in PUBLISHED:
         return PUBLISHED[name]
@@ -140,6 +147,14 @@ def main() -> None:
         "values), or powersgd-rN (torch's PowerSGD hook at rank N, ddp only)",
     )
     parser.add_argument("--grad-comm-block-size", type=int, default=32)
+    parser.add_argument(
+        "--param-gather",
+        default="fp32",
+        choices=list(WIRE_DTYPES),
+        help="what zero3's weight gathers send: fp32, or each rank's shard packed (param_gather_dtype; "
+        "fp8 with one fp32 scale per --param-gather-block-size values)",
+    )
+    parser.add_argument("--param-gather-block-size", type=int, default=32)
     parser.add_argument("--forward-ms", type=float, default=0.0)
     parser.add_argument("--backward-ms", type=float, default=0.0)
     parser.add_argument(
@@ -174,7 +189,9 @@ def main() -> None:
     hook = (
         ": fp32 all-reduces of the whole tensors, the P and the Q factors" if wire.all_reduce_shares else ""
     )
-    print(f"grad wire: {args.grad_comm} ({wire.value_bytes:.3g} bytes per value{hook})\n")
+    print(f"grad wire: {args.grad_comm} ({wire.value_bytes:.3g} bytes per value{hook})")
+    gather_bytes = gather_wire_bytes(args.param_gather, args.param_gather_block_size)
+    print(f"zero3 weight gathers: {args.param_gather} ({gather_bytes:.3g} bytes per value)\n")
     print("| strategy | dp | bucket | buckets | comm ms | exposed ms | bound | wire MiB/rank | peak GiB/rank "
           "| padding MiB | recommended bucket |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -182,12 +199,16 @@ def main() -> None:
         if wire.all_reduce_shares and strategy != "ddp":
             print(f"| {strategy} |" + " - |" * 9 + " PowerSGD is priced for ddp only (a hook all-reduces) |")
             continue
+        if gather_bytes != FP32 and strategy != "zero3":
+            print(f"| {strategy} |" + " - |" * 9 + " packed weight gathers are zero3's |")
+            continue
         if strategy == "zero3" and units is None:
             print("| zero3 |" + " - |" * 9 + " needs units (--unit-class, or units in --shapes) |")
             continue
         for dp in args.dp:
             p = predict(strategy, specs, dp, costs, bucket_size=args.bucket_size, forward_seconds=forward,
-                        backward_seconds=backward, units=units, wire=wire)  # fmt: skip
+                        backward_seconds=backward, units=units, wire=wire,
+                        gather_bytes=gather_bytes)  # fmt: skip
             if strategy == "zero3":  # buckets are the FSDP units, not a size
                 print(row(p, "- (per unit)"))
                 continue

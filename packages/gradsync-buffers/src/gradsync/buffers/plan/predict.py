@@ -207,7 +207,13 @@ def _gather_exposed(sizes: Sequence[int], costs: LinkCosts, dp: int, forward: fl
 
 
 def _zero3_exposed(
-    sizes: Sequence[int], costs: LinkCosts, dp: int, forward: float, backward: float, wire: GradWire
+    sizes: Sequence[int],
+    costs: LinkCosts,
+    dp: int,
+    forward: float,
+    backward: float,
+    wire: GradWire,
+    gather_bytes: float,
 ) -> float:
     """Units in forward order: gather unit i+1 while unit i computes (one unit prefetched), in the
     forward and again in the backward, where each unit's reduce-scatter follows its backward."""
@@ -217,12 +223,13 @@ def _zero3_exposed(
     for phase_time, reduce in ((forward, False), (backward, True)):
         order = units if not reduce else list(reversed(units))
         compute = 0.0
-        gathered = channel_free = costs.time("all_gather", order[0] * FP32, dp)
+        gathered = channel_free = costs.time("all_gather", order[0] * gather_bytes, dp)
         for index, size in enumerate(order):
             start = max(compute, gathered)  # compute of this unit waits for its weights
             stall += start - compute
             if index + 1 < len(order):  # prefetch the next unit
-                gathered = max(channel_free, start) + costs.time("all_gather", order[index + 1] * FP32, dp)
+                following = order[index + 1] * gather_bytes
+                gathered = max(channel_free, start) + costs.time("all_gather", following, dp)
                 channel_free = gathered
             compute = start + phase_time * size / total
             if reduce:
@@ -244,19 +251,24 @@ def predict(
     pad_for_high_nccl_busbw: bool = False,
     units: Sequence[int | None] | None = None,
     wire: GradWire = FP32_WIRE,
+    gather_bytes: float = FP32,
 ) -> Prediction:
     """One step of ``strategy`` at ``dp`` ranks; ``bucket_size`` defaults to the reference's rule.
     ``units`` (``zero3`` only, required there): each spec's FSDP unit, None outside every unit. ``wire``:
-    what the grad reductions send (params are gathered in fp32 whatever it is)."""
+    what the grad reductions send. ``gather_bytes``: the bytes per value ZeRO-3's weight gathers send
+    (a packed wire's, ``param_gather_dtype``; its packing's compute is not priced); the other
+    strategies gather in fp32."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if strategy != "zero3" and gather_bytes != FP32:
+        raise ValueError(f"{strategy}: packed weight gathers are ZeRO-3's (param_gather_dtype)")
     size = bucket_size if bucket_size is not None else default_bucket_size(dp)
     numels = [s.numel for s in specs]
     cuts = [shard_cut(s.shard_alignment, s.shape) for s in specs]
     psi = sum(numels)
     if strategy == "zero3":
         return _predict_zero3(numels, cuts, dp, costs, size, forward_seconds, backward_seconds,
-                              pad_for_high_nccl_busbw, units, wire)  # fmt: skip
+                              pad_for_high_nccl_busbw, units, wire, gather_bytes)  # fmt: skip
     sizes = bucket_sizes(numels, size, dp, pad_for_high_nccl_busbw, cuts)
     share = (dp - 1) / dp
     padded = sum(sizes)
@@ -310,6 +322,7 @@ def _predict_zero3(
     pad: bool,
     units: Sequence[int | None] | None,
     wire: GradWire,
+    gather_bytes: float,
 ) -> Prediction:
     if units is None or len(units) != len(numels):
         raise ValueError("zero3 needs each param's FSDP unit (units=[unit id or None per param])")
@@ -329,14 +342,14 @@ def _predict_zero3(
     other_sizes = fsdp_bucket_sizes(outside, size, dp, pad, outside_cuts) if outside else []
     share, padded = (dp - 1) / dp, sum(unit_sizes) + sum(other_sizes)
     gathered = [*unit_sizes, *unit_sizes[:-1], *other_sizes]  # the last unit is kept into the backward
-    collectives: list[tuple[str, float]] = [("all_gather", s * FP32) for s in gathered]
+    collectives: list[tuple[str, float]] = [("all_gather", s * gather_bytes) for s in gathered]
     collectives += [c for s in (*unit_sizes, *other_sizes) for c in wire.collectives("reduce_scatter", s)]
-    sent = share * (sum(gathered) * FP32 + padded * wire.value_bytes)
+    sent = share * (sum(gathered) * gather_bytes + padded * wire.value_bytes)
     largest, whole = max(unit_sizes), sum(other_sizes)
     peak = padded / dp * (FP32 * 2 + ADAM_STATE_BYTES) + (2 * whole + 2 * largest + 3 * largest) * FP32
-    exposed = _zero3_exposed(list(reversed(unit_sizes)), costs, dp, forward, backward, wire)
-    exposed += sum(costs.time("all_gather", s * FP32, dp) + wire.seconds("reduce_scatter", s, costs, dp)
-                   for s in other_sizes)  # fmt: skip
+    exposed = _zero3_exposed(list(reversed(unit_sizes)), costs, dp, forward, backward, wire, gather_bytes)
+    exposed += sum(costs.time("all_gather", s * gather_bytes, dp)
+                   + wire.seconds("reduce_scatter", s, costs, dp) for s in other_sizes)  # fmt: skip
     return _prediction("zero3", dp, size, len(unit_sizes) + len(other_sizes), costs, collectives, exposed,
                        sent, peak, (padded - sum(numels)) * FP32,
                        overlapped=forward > 0.0 or backward > 0.0)  # fmt: skip
