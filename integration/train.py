@@ -107,7 +107,7 @@ GRAD_COMMS: dict[str, dict[str, object]] = {
     "gather-fp8-e4m3": {"param_gather_dtype": torch.float8_e4m3fn},
 }
 """``--grad-comm`` choices: the grad wire (every strategy); fp32 is the grad buffer's own dtype, reduced
-by the backend. ``gather-*``: ZeRO-3's packed weight gathers instead (fsdp-optim_grads_params only).
+by the backend. ``gather-*``: packed weight gathers instead (the sharded fsdp strategies).
 The fp8 wires carry one fp32 scale per ``--grad-comm-block-size`` values."""
 COMM_HOOKS = {"powersgd-r4": 4, "powersgd-r16": 16}
 """``--grad-comm`` choices that register torch's PowerSGD comm hook instead (its matrix rank; a plain
@@ -330,7 +330,7 @@ def write_outputs(
         "grad wire": opts.grad_comm
         + (" (the grad dtype, reduced by the backend)" if opts.grad_comm == "fp32" else "")
         + (", summed in fp32" if opts.grad_comm.startswith(("bf16", "fp16", "fp8")) else "")
-        + (": packed ZeRO-3 weight gathers, fp32 grads" if opts.grad_comm.startswith("gather-") else "")
+        + (": packed weight gathers, fp32 grads" if opts.grad_comm.startswith("gather-") else "")
         + (
             ": torch's PowerSGD comm hook (comm MiB/step counts the buckets handed to it, not what it sends)"
             if opts.grad_comm in COMM_HOOKS

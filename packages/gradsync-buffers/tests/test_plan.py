@@ -268,5 +268,5 @@ def test_packed_zero3_gathers_scale_only_the_gathers(name: str, per_value: float
     assert got.latency_seconds == pytest.approx(
         predict("zero3", SPECS, dp, COSTS, units=UNITS).latency_seconds
     )
-    with pytest.raises(ValueError, match="packed weight gathers are ZeRO-3's"):
+    with pytest.raises(ValueError, match="packed weight gathers are priced for zero3"):
         predict("distopt", SPECS, dp, COSTS, gather_bytes=per_value)

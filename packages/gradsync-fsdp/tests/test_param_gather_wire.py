@@ -1,7 +1,8 @@
-"""ZeRO-3 with packed weight gathers (``param_gather_dtype``) on gloo ranks with different data: the forward
-computes with the packed values of the full-precision weights, exports and broadcasts stay exact, the
-gathers send fewer bytes, training stays near one process (even, ragged and HSDP shards); the strategies
-that do not gather before every use refuse it."""
+"""The sharded strategies with packed weight gathers (``param_gather_dtype``) on gloo ranks with different
+data: the forward computes with the packed values of the full-precision weights, exports and broadcasts
+stay exact and leave the next forward as it was, the gathers send fewer bytes, training stays near one
+process (ZeRO-3 with even, ragged and HSDP shards; ZeRO-1 and ZeRO-2, whose buckets would otherwise
+gather together); no_shard, which gathers nothing, and HFSDP refuse it."""
 
 from __future__ import annotations
 
@@ -34,28 +35,34 @@ def reference(world: int) -> dict[str, torch.Tensor]:
     return reference_training(world, 1, STEPS)
 
 
-def computed_with(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """The first block's first matrix as its forward saw it, the same weight exported afterwards, and
-    whether the export equals the model the wrapper was built from."""
+def computed_with(strategy: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
+    """The first block's first matrix as its forward saw it, the same weight in the model the wrapper was
+    built from, whether the export equals that model, and whether a forward after the export saw what
+    the first one did."""
     original = named_weights(TinyTransformer())
-    model = wrap("optim_grads_params", param_gather_dtype=dtype)
+    model = wrap(strategy, param_gather_dtype=dtype)
     block = next(m for m in model.module.modules() if isinstance(m, Block))
     name = next(n for n, p in block.named_parameters() if p.dim() == 2)
     seen: list[torch.Tensor] = []  # read at the forward: the wrapper shows the gathered compute weights there
     block.register_forward_pre_hook(
         lambda m, _: seen.append(dict(m.named_parameters())[name].detach().clone())
     )
-    model(local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0])
+    batch = local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]
+    model.install_optimized_model_weights()  # ZeRO-1/2 gather once a step installed weights: as if one had
+    model(batch)
     exported = model.full_state_dict(rank0_only=False)
     key = next(k for k in exported if k.endswith(name) and k.startswith("blocks.0."))
     exact = all(torch.equal(exported[k], original[k]) for k in original)
-    return seen[0], original[key], exact
+    model(batch)
+    return seen[0], original[key], exact, torch.equal(seen[0], seen[-1])
 
 
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
-def test_the_forward_sees_packed_weights_and_exports_stay_exact(dtype: torch.dtype) -> None:
-    for seen, original, exact in run_distributed(computed_with, 2, args=(dtype,)):
+def test_the_forward_sees_packed_weights_and_exports_stay_exact(strategy: str, dtype: torch.dtype) -> None:
+    for seen, original, exact, unchanged in run_distributed(computed_with, 2, args=(strategy, dtype)):
         assert exact  # a packed gather before the export is redone in full precision
+        assert unchanged  # and the forward after the export computes with the packed weights again
         if dtype == torch.bfloat16:
             assert torch.equal(seen, original.to(torch.bfloat16).float())
         else:  # one fp32 scale per block of 32: e4m3's 3 mantissa bits, relative to each block's largest
@@ -63,9 +70,11 @@ def test_the_forward_sees_packed_weights_and_exports_stay_exact(dtype: torch.dty
             assert float((seen - original).abs().max()) <= 2**-4 * float(original.abs().max())
 
 
-def train(kwargs: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
+def train(
+    kwargs: dict[str, Any], strategy: str = "optim_grads_params"
+) -> tuple[dict[str, torch.Tensor], int]:
     """The full weights after training, and the bytes the last step's gathers sent."""
-    trainer = Trainer.build("optim_grads_params", **kwargs)
+    trainer = Trainer.build(strategy, **kwargs)
     sent = 0
     for step in range(STEPS):
         trainer.step(step, 1)
@@ -74,9 +83,15 @@ def train(kwargs: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
 
 
 @pytest.mark.parametrize(
-    ("world", "layout"),
-    [(2, {}), (4, {"shard_alignment": "tensor"}), (4, {"outer": 2})],
-    ids=["even", "ragged", "hsdp"],
+    ("strategy", "world", "layout"),
+    [
+        ("optim_grads_params", 2, {}),
+        ("optim_grads_params", 4, {"shard_alignment": "tensor"}),
+        ("optim_grads_params", 4, {"outer": 2}),
+        ("optim", 2, {"units": False}),  # ZeRO-1: buckets that would gather together
+        ("optim_grads", 4, {}),
+    ],
+    ids=["zero3-even", "zero3-ragged", "zero3-hsdp", "zero1-coalescing", "zero2"],
 )
 @pytest.mark.parametrize(
     ("dtype", "tolerance", "ratio"),
@@ -84,10 +99,10 @@ def train(kwargs: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
     ids=str,
 )
 def test_training_with_packed_gathers_stays_near_one_process(
-    world: int, layout: dict[str, Any], dtype: torch.dtype, tolerance: float, ratio: float
+    strategy: str, world: int, layout: dict[str, Any], dtype: torch.dtype, tolerance: float, ratio: float
 ) -> None:
-    exact = run_distributed(train, world, args=(layout,))
-    packed = run_distributed(train, world, args=({**layout, "param_gather_dtype": dtype},))
+    exact = run_distributed(train, world, args=(layout, strategy))
+    packed = run_distributed(train, world, args=({**layout, "param_gather_dtype": dtype}, strategy))
     for (exact_weights, exact_bytes), (weights, sent) in zip(exact, packed, strict=True):
         assert max_relative_difference(exact_weights, reference(world)) <= 1e-6
         assert 1e-6 < max_relative_difference(weights, reference(world)) <= tolerance
@@ -96,7 +111,7 @@ def test_training_with_packed_gathers_stays_near_one_process(
 
 def refusals() -> list[str]:
     messages = []
-    for kwargs in ({"strategy": "optim"}, {"outer": 2, "outer_dp_sharding_strategy": "optim"}):
+    for kwargs in ({"strategy": "no_shard"}, {"outer": 2, "outer_dp_sharding_strategy": "optim"}):
         strategy = kwargs.pop("strategy", "optim_grads_params")
         with pytest.raises((ValueError, NotImplementedError)) as caught:
             wrap(str(strategy), param_gather_dtype=torch.bfloat16, **kwargs)
@@ -109,9 +124,9 @@ def refusals() -> list[str]:
     return messages
 
 
-def test_packed_gathers_are_refused_where_nothing_is_gathered_before_every_use() -> None:
-    for zero1, hfsdp, ddp in run_distributed(refusals, 4):
-        assert "does not gather weights before every use; use 'optim_grads_params'" in zero1
+def test_packed_gathers_are_refused_where_nothing_is_gathered() -> None:
+    for no_shard, hfsdp, ddp in run_distributed(refusals, 4):
+        assert "data_parallel_sharding_strategy='no_shard' gathers no weights" in no_shard
         assert "(HFSDP) is not implemented" in hfsdp
         assert "param_gather_dtype" in ddp
 

@@ -123,9 +123,10 @@ class DistributedDataParallelConfig:
     extra grad-buffer-sized residual per bucket)."""
 
     param_gather_dtype: torch.dtype | None = None
-    """MegatronFSDP's ZeRO-3 (optim_grads_params): the dtype weights are all-gathered in (bf16, fp16, or fp8
-    with one fp32 scale per block), each rank packing its own full-precision shard; the compute weights
-    are the unpacked values, the optimizer's weights stay exact. None: gather in the weights' dtype."""
+    """MegatronFSDP's sharded strategies (ZeRO-1/2/3): the dtype weights are all-gathered in (bf16, fp16, or
+    fp8 with one fp32 scale per block), each rank packing its own full-precision shard; the compute
+    weights are the unpacked values, the optimizer's weights stay exact. None: gather in the weights'
+    dtype."""
     param_gather_block_size: int = 32
     """Elements per fp32 scale when param_gather_dtype is an fp8 dtype."""
 

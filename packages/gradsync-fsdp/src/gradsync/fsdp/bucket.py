@@ -123,7 +123,7 @@ class FlatParamBucket:
         ``grad_storage``: zeros to hold the persistent grads, a slice of a coalesced group's buffer
         (:mod:`gradsync.fsdp.coalesce`); by default the bucket allocates its own. ``grad_comm``: the
         low-precision wire with fp32 sums the reductions send (``grad_comm_dtype``), if any.
-        ``gather_wire``: ZeRO-3's packed weight gathers (``param_gather_dtype``), if any."""
+        ``gather_wire``: the sharded strategies' packed weight gathers (``param_gather_dtype``), if any."""
         self.bucket_id, self.spec, self.sharding, self.group = bucket_id, spec, sharding, group
         self.grad_comm, self.gather_wire = grad_comm, gather_wire
         self._exact_gather = False  # exports and broadcasts gather the full-precision shards
@@ -167,7 +167,10 @@ class FlatParamBucket:
 
         main_dtype = policy.main_dtype(self.dtype)
         self.main_weight: torch.Tensor | None = None
-        if main_dtype != self.dtype or pieces > 1:
+        # ZeRO-1/2 with packed gathers: this rank's piece of the compute weights takes its unpacked values,
+        # so the exact weights (the optimizer's, and a frozen bucket's) are kept apart
+        packed_in_place = gather_wire is not None and sharding.shard_main and not sharding.shard_params
+        if main_dtype != self.dtype or pieces > 1 or packed_in_place:
             lo, hi = self.main_range
             self.main_weight = self.weight[lo:hi].to(main_dtype, copy=True)
 
@@ -288,9 +291,10 @@ class FlatParamBucket:
         self.status = BucketStatus.COMMUNICATING
 
     def _gather_inner(self) -> Launched:
+        if self.gather_wire is not None and not self._exact_gather:
+            own = self.weight_shard  # ZeRO-1/2: the piece install_main_weights wrote, exact
+            return self._gather_packed(self.gather_wire, own if own is not None else self._own_piece())
         if self.weight_shard is not None:
-            if self.gather_wire is not None and not self._exact_gather:
-                return self._gather_packed(self.gather_wire, self.weight_shard)
             self.weight[self.shard_lo : self.shard_hi].copy_(self.weight_shard)
         self.record("all_gather", self.weight, self.gather_group)
         return all_gather_shards(self.weight, self.gather_group, cuts=self.inner_cuts, label=self.label)
@@ -320,15 +324,29 @@ class FlatParamBucket:
         launched.after.append(unpack)
         return launched
 
+    def _own_piece(self) -> torch.Tensor:
+        return self.weight[self.shard_lo : self.shard_hi]
+
     def wait_exact_gather(self) -> None:
-        """The whole compute buffer in full precision (exports, broadcasts): a packed gather is redone."""
+        """The whole compute buffer in full precision (exports, broadcasts): a packed gather is redone.
+        ZeRO-1/2 first put the exact weights back in this rank's piece, and gather packed again at the
+        next use, so the exports change nothing the forward sees."""
+        kept_whole = self.weight_shard is None and self.sharding.shard_main
         if self.gather_wire is not None:
-            self.release()
+            if kept_whole:
+                self.wait_gather()  # a packed gather in flight lands first
+                assert self.main_weight is not None
+                self._own_piece().copy_(self.main_weight)
+                self.status = BucketStatus.EMPTY
+            else:
+                self.release()
         self._exact_gather = True
         try:
             self.wait_gather()
         finally:
             self._exact_gather = False
+        if self.gather_wire is not None and kept_whole:
+            self.status = BucketStatus.EMPTY
 
     def wait_gather(self) -> None:
         if self.status is BucketStatus.EMPTY:

@@ -127,6 +127,8 @@ class ReductionGroup:
         first = self.buckets[0]
         if len(self.buckets) < 2 or not first.sharding.shard_main or first.sharding.shard_params:
             return
+        if first.gather_wire is not None:  # each bucket packs its own rows
+            return
         launch = weakref.WeakMethod(self.launch_gather)
 
         def gather() -> bool:

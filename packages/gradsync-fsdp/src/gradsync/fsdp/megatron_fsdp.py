@@ -79,7 +79,7 @@ from .step_tracking import OWNER, watch_optimizer_steps
 from .strategy import parse_strategy
 from .support import (
     refuse_contradicting_keywords,
-    refuse_packed_gathers_without_zero3,
+    refuse_packed_gathers_where_nothing_is_gathered,
     refuse_two_grad_wires,
     refuse_unsupported,
 )
@@ -190,7 +190,7 @@ class MegatronFSDP(nn.Module):
         self.device = _resolve_device(device, module, dist_index, init_model_with_meta_device)
         refuse_unsupported(ddp_config, dist_index, self.device)
         refuse_two_grad_wires(ddp_config, self.mp_policy)
-        refuse_packed_gathers_without_zero3(ddp_config)
+        refuse_packed_gathers_where_nothing_is_gathered(ddp_config)
         self.outer = outer_replication(ddp_config, dist_index, self.sharding)
         meta = replace_meta_params(module, self.device) if init_model_with_meta_device else None
         unset = meta.placeholders if meta is not None else set()

@@ -152,17 +152,16 @@ def refuse_two_grad_wires(config: DistributedDataParallelConfig, policy: MixedPr
         )
 
 
-def refuse_packed_gathers_without_zero3(config: DistributedDataParallelConfig) -> None:
-    """``param_gather_dtype`` packs the weights ZeRO-3 gathers before every use; the other strategies keep
-    whole weights (no_shard) or gather them once per step in full precision (optim, optim_grads), and
-    HFSDP's outer gather is not packed."""
+def refuse_packed_gathers_where_nothing_is_gathered(config: DistributedDataParallelConfig) -> None:
+    """``param_gather_dtype`` packs the weights the sharded strategies gather (ZeRO-3 before every use,
+    ZeRO-1/2 once per step); no_shard keeps whole weights, and HFSDP's outer gather is not packed."""
     if config.param_gather_dtype is None:
         return
-    if config.data_parallel_sharding_strategy != "optim_grads_params":
+    if config.data_parallel_sharding_strategy == "no_shard":
         raise ValueError(
-            f"MegatronFSDP: param_gather_dtype={config.param_gather_dtype} packs ZeRO-3's weight gathers, "
-            f"but data_parallel_sharding_strategy={config.data_parallel_sharding_strategy!r} does not gather "
-            "weights before every use; use 'optim_grads_params' or leave param_gather_dtype unset"
+            f"MegatronFSDP: param_gather_dtype={config.param_gather_dtype} packs the sharded strategies' "
+            "weight gathers, but data_parallel_sharding_strategy='no_shard' gathers no weights; use "
+            "'optim', 'optim_grads' or 'optim_grads_params', or leave param_gather_dtype unset"
         )
     if config.outer_dp_sharding_strategy != "no_shard":
         raise NotImplementedError(

@@ -261,7 +261,9 @@ def predict(
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
     if strategy != "zero3" and gather_bytes != FP32:
-        raise ValueError(f"{strategy}: packed weight gathers are ZeRO-3's (param_gather_dtype)")
+        raise ValueError(  # distopt is gradsync-ddp's, whose config refuses param_gather_dtype
+            f"{strategy}: packed weight gathers are priced for zero3 (param_gather_dtype is MegatronFSDP's)"
+        )
     size = bucket_size if bucket_size is not None else default_bucket_size(dp)
     numels = [s.numel for s in specs]
     cuts = [shard_cut(s.shard_alignment, s.shape) for s in specs]
