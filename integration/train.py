@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -174,8 +175,9 @@ def grad_comms(opts: Options) -> list[str]:
     return list(dict.fromkeys(["fp32", *wires] if wires != ["fp32"] else wires))
 
 
-def register_powersgd(model: nn.Module, opts: Options, group: dist.ProcessGroup | None) -> None:
-    """torch's own PowerSGD hook on gradsync's DistributedDataParallel (``--grad-comm powersgd-r*``)."""
+def register_powersgd(model: nn.Module, opts: Options, group: dist.ProcessGroup | None) -> Any:
+    """torch's own PowerSGD hook on gradsync's DistributedDataParallel (``--grad-comm powersgd-r*``); its
+    state, whose ``total_numel_after_compression`` counts the values it has sent compressed."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     register = getattr(model, "register_comm_hook", None)
@@ -187,6 +189,18 @@ def register_powersgd(model: nn.Module, opts: Options, group: dist.ProcessGroup 
         process_group=group, matrix_approximation_rank=COMM_HOOKS[opts.grad_comm], start_powerSGD_iter=10
     )
     register(state, powerSGD_hook.powerSGD_hook)
+    return state
+
+
+def comm_bytes(wrapped: Any, diloco: Any, synced_bytes: int, powersgd: Any, compressed: int) -> int:
+    """What this rank's step sent: a DiLoCo replica's syncs only (its wrapper reduces over the rank
+    alone); once PowerSGD compresses, its own count of the values it all-reduced (fp32 grads, as the
+    script's recipes reduce them); else the wrapper's count."""
+    if diloco is not None:
+        return int(diloco.communicated_bytes - synced_bytes)
+    if powersgd is not None and powersgd.total_numel_after_compression > compressed:
+        return 4 * int(powersgd.total_numel_after_compression - compressed)
+    return int(wrapped.comm_bytes())
 
 
 def grad_comm_fields(opts: Options) -> dict[str, object]:
@@ -229,8 +243,7 @@ def run(opts: Options, baseline: dict[str, list[StepRecord]] | None = None) -> R
         shard_alignment=shard_alignment(opts),
         grad_comm=grad_comm_fields(opts),
     )
-    if opts.grad_comm in COMM_HOOKS:
-        register_powersgd(wrapped.model, opts, groups.dp_cp)
+    powersgd = register_powersgd(wrapped.model, opts, groups.dp_cp) if opts.grad_comm in COMM_HOOKS else None
     model, optimizer = wrapped.model, wrapped.optimizer
     diloco = local_sync(opts.grad_comm, model, optimizer, groups) if opts.grad_comm in DILOCO else None
     if diloco is not None:
@@ -256,6 +269,7 @@ def run(opts: Options, baseline: dict[str, list[StepRecord]] | None = None) -> R
             os.kill(os.getpid(), signal.SIGKILL)
         t0 = time.perf_counter()
         synced_bytes = diloco.communicated_bytes if diloco else 0
+        compressed = powersgd.total_numel_after_compression if powersgd else 0
         model.zero_grad_buffer()  # a new step: empty grad buffers, reset the bucket groups
         optimizer.zero_grad()
         batch = corpus.batch(step, opts.global_batch, opts.seq_len, seed=opts.seed)
@@ -271,8 +285,7 @@ def run(opts: Options, baseline: dict[str, list[StepRecord]] | None = None) -> R
             step + 1,
             global_loss(loss, groups.dp_cp, groups.pp),
             opts.global_batch * opts.seq_len / (t3 - t0),
-            # a DiLoCo replica's wrapper reduces over this rank alone: only the syncs leave it
-            diloco.communicated_bytes - synced_bytes if diloco else wrapped.comm_bytes(),
+            comm_bytes(wrapped, diloco, synced_bytes, powersgd, compressed),
             t1 - t0,
             t2 - t1,
             t3 - t2,
@@ -332,7 +345,8 @@ def write_outputs(
         + (", summed in fp32" if opts.grad_comm.startswith(("bf16", "fp16", "fp8")) else "")
         + (": packed weight gathers, fp32 grads" if opts.grad_comm.startswith("gather-") else "")
         + (
-            ": torch's PowerSGD comm hook (comm MiB/step counts the buckets handed to it, not what it sends)"
+            ": torch's PowerSGD comm hook (comm MiB/step: its own count of the values it all-reduces once it "
+            "compresses)"
             if opts.grad_comm in COMM_HOOKS
             else ""
         )
