@@ -4,6 +4,7 @@ the CPU, then moved to the harness device, so every rank and the reference start
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +107,13 @@ def reference_training(
                 if main is not param:
                     param.copy_(main)
     return named_weights(model)
+
+
+@functools.lru_cache(maxsize=8)
+def cached_reference(world: int, micro: int, steps: int) -> dict[str, torch.Tensor]:
+    """:func:`reference_training` in fp32, computed once per test process for each shape: several tests of
+    a file compare with the same one."""
+    return reference_training(world, micro, steps)
 
 
 def shard_index(outer: int = 1, outer_strategy: str = "no_shard") -> FSDPDistributedIndex:

@@ -6,7 +6,6 @@ name the reason."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
@@ -16,10 +15,10 @@ from fsdp_testkit import (
     STRATEGIES,
     TinyTransformer,
     Trainer,
+    cached_reference,
     full_weights,
     global_batch,
     max_relative_difference,
-    reference_training,
     wrap,
 )
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -29,11 +28,6 @@ from gradsync.buffers.testing import issued_collectives
 from gradsync.groups.testing import run_distributed
 
 STEPS = 6
-
-
-@functools.lru_cache(maxsize=4)
-def reference(world: int) -> dict[str, torch.Tensor]:
-    return reference_training(world, 1, STEPS)
 
 
 def hook_of(kind: str) -> tuple[Any, Any]:
@@ -90,7 +84,7 @@ def test_torchs_allreduce_hook_trains_as_one_process(
     strategy: str, world: int, layout: dict[str, Any]
 ) -> None:
     for weights, _ in run_distributed(train, world, args=(strategy, "allreduce", layout)):
-        assert max_relative_difference(weights, reference(world)) <= 1e-6
+        assert max_relative_difference(weights, cached_reference(world, 1, STEPS)) <= 1e-6
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
@@ -119,7 +113,9 @@ def test_the_low_precision_hook_lands_the_config_wires_bits(strategy: str, kind:
     by_config = run_distributed(train, 2, args=("no_shard", "none", {**wire, **apart}))
     by_hook = run_distributed(train, 2, args=(strategy, kind, apart))
     for (want, _), (got, _) in zip(by_config, by_hook, strict=True):
-        assert max_relative_difference(want, reference(2)) > 1e-6  # the wire is really low-precision
+        assert (
+            max_relative_difference(want, cached_reference(2, 1, STEPS)) > 1e-6
+        )  # the wire is really low-precision
         assert all(torch.equal(got[name], want[name]) for name in want)
 
 

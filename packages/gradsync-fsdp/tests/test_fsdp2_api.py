@@ -12,7 +12,6 @@ the methods that map, and every refusal, by its message.
 from __future__ import annotations
 
 import copy
-import functools
 import importlib
 import re
 from pathlib import Path
@@ -25,10 +24,10 @@ import torch.distributed.checkpoint as dcp
 from fsdp_testkit import (
     Block,
     TinyTransformer,
+    cached_reference,
     local_microbatches,
     make_optimizer,
     max_relative_difference,
-    reference_training,
     skip_where_torch_gathers_crash,
 )
 from torch import nn
@@ -132,11 +131,6 @@ def both_apis(*args: Any, **gradsync_only: Any) -> tuple[dict[str, torch.Tensor]
     return ours, built, theirs
 
 
-@functools.lru_cache(maxsize=4)
-def reference(world: int) -> dict[str, torch.Tensor]:
-    return reference_training(world, MICRO, STEPS)
-
-
 def chunked_shards(world: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Each rank's local shards after the loop: gradsync with ``shard_alignment="chunk"`` and torch."""
     _, ours = torchtitan_loop(GRADSYNC, (world,), (True, True), shard_alignment="chunk")
@@ -178,7 +172,7 @@ def test_torchtitan_loop_matches_one_process_and_torch(
         assert built["units"] == ([True, True] if reshards else [])
         assert built["kept"] == kept
         assert built["placements"] == {(Shard(0),)}
-        assert max_relative_difference(ours, reference(world)) <= 1e-6, rank
+        assert max_relative_difference(ours, cached_reference(world, MICRO, STEPS)) <= 1e-6, rank
         if theirs is not None:
             assert max_relative_difference(ours, theirs) <= 1e-6, rank
             assert built["grad norms"] == pytest.approx(built["torch grad norms"], rel=1e-6)
@@ -197,7 +191,7 @@ def test_hsdp_mesh_matches_one_process_and_torch(outer: str, placements: tuple[A
     )
     for rank, (ours, built, theirs) in enumerate(results):
         assert built["placements"] == {placements}, rank
-        assert max_relative_difference(ours, reference(4)) <= 1e-6, rank
+        assert max_relative_difference(ours, cached_reference(4, MICRO, STEPS)) <= 1e-6, rank
         assert theirs is None or max_relative_difference(ours, theirs) <= 1e-6, rank
 
 
@@ -218,7 +212,7 @@ def test_bf16_param_dtype_matches_torch_and_rounds_like_it(reshard: bool) -> Non
         # bit-identical to torch 2.13's run, 5.8e-5 from torch 2.15's (it rounds elsewhere): two bf16
         # computations, held to the bound they both meet against one fp32 process
         assert theirs is None or max_relative_difference(ours, theirs) <= BF16_BOUND, rank
-        assert 0 < max_relative_difference(ours, reference(2)) <= BF16_BOUND, rank
+        assert 0 < max_relative_difference(ours, cached_reference(2, MICRO, STEPS)) <= BF16_BOUND, rank
 
 
 # --- what fully_shard builds -------------------------------------------------------------------------
@@ -585,7 +579,7 @@ def accepted_methods() -> dict[str, float]:
 
 def test_set_is_last_backward_and_zeroed_in_place_grads_train_like_one_process() -> None:
     for rank, weights in enumerate(run_distributed(accepted_methods, 2)):
-        assert max_relative_difference(weights, reference(2)) <= 1e-6, rank
+        assert max_relative_difference(weights, cached_reference(2, MICRO, STEPS)) <= 1e-6, rank
 
 
 def titan_model(world: int, seed: int, optimizer: str) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -691,4 +685,4 @@ def compiled_loop(where: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("where", ["model", "blocks"])
 def test_torch_compile_trains_like_one_process(where: str) -> None:
     for rank, weights in enumerate(run_distributed(compiled_loop, 2, args=(where,))):
-        assert max_relative_difference(weights, reference(2)) <= 1e-6, rank
+        assert max_relative_difference(weights, cached_reference(2, MICRO, STEPS)) <= 1e-6, rank

@@ -5,21 +5,15 @@ and hybrid (HSDP) shards, fewer bytes sent; and the config that sets two grad wi
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
 import torch
-from fsdp_testkit import STRATEGIES, Trainer, full_weights, max_relative_difference, reference_training, wrap
+from fsdp_testkit import STRATEGIES, Trainer, cached_reference, full_weights, max_relative_difference, wrap
 
 from gradsync.groups.testing import run_distributed
 
 STEPS = 6
-
-
-@functools.lru_cache(maxsize=4)
-def reference(world: int) -> dict[str, torch.Tensor]:
-    return reference_training(world, 1, STEPS)
 
 
 def train(strategy: str, kwargs: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
@@ -61,8 +55,8 @@ def test_training_with_a_low_precision_wire_stays_near_one_process(
     exact = run_distributed(train, world, args=(strategy, layout))
     cheap = run_distributed(train, world, args=(strategy, {**layout, **wire}))
     for (exact_weights, exact_bytes), (weights, sent) in zip(exact, cheap, strict=True):
-        assert max_relative_difference(exact_weights, reference(world)) <= 1e-6
-        assert 1e-6 < max_relative_difference(weights, reference(world)) <= tolerance
+        assert max_relative_difference(exact_weights, cached_reference(world, 1, STEPS)) <= 1e-6
+        assert 1e-6 < max_relative_difference(weights, cached_reference(world, 1, STEPS)) <= tolerance
         assert sent < (0.55 if wire["wire"] == torch.bfloat16 else 0.4) * exact_bytes, (sent, exact_bytes)
 
 

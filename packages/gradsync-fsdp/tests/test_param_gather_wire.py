@@ -6,7 +6,6 @@ gather together); no_shard, which gathers nothing, and HFSDP refuse it."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
@@ -16,11 +15,11 @@ from fsdp_testkit import (
     Block,
     TinyTransformer,
     Trainer,
+    cached_reference,
     full_weights,
     local_microbatches,
     max_relative_difference,
     named_weights,
-    reference_training,
     wrap,
 )
 
@@ -28,11 +27,6 @@ from gradsync.buffers import DistributedDataParallelConfig, refuse_fields_ddp_ca
 from gradsync.groups.testing import run_distributed
 
 STEPS = 6
-
-
-@functools.lru_cache(maxsize=4)
-def reference(world: int) -> dict[str, torch.Tensor]:
-    return reference_training(world, 1, STEPS)
 
 
 def computed_with(strategy: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
@@ -104,8 +98,8 @@ def test_training_with_packed_gathers_stays_near_one_process(
     exact = run_distributed(train, world, args=(layout, strategy))
     packed = run_distributed(train, world, args=({**layout, "param_gather_dtype": dtype}, strategy))
     for (exact_weights, exact_bytes), (weights, sent) in zip(exact, packed, strict=True):
-        assert max_relative_difference(exact_weights, reference(world)) <= 1e-6
-        assert 1e-6 < max_relative_difference(weights, reference(world)) <= tolerance
+        assert max_relative_difference(exact_weights, cached_reference(world, 1, STEPS)) <= 1e-6
+        assert 1e-6 < max_relative_difference(weights, cached_reference(world, 1, STEPS)) <= tolerance
         assert sent < ratio * exact_bytes, (sent, exact_bytes)
 
 

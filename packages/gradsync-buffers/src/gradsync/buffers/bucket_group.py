@@ -19,7 +19,7 @@ from torch.nn import Parameter
 
 from . import collectives
 from .buffer import ParamAndGradBucket, ParamAndGradBuffer
-from .comm_hook import RegisteredHook
+from .comm_hook import HookBucket, RegisteredHook
 from .config import DistributedDataParallelConfig
 from .foreign_config import as_ddp_config
 from .grad_checks import LargeGradDetector, LocalGradNorms, check_grads, non_finite_ranks, report_grad_norms
@@ -212,7 +212,8 @@ class ParamAndGradBucketGroup:
         assert self.comm_hook is not None
         params = bucket.params_list
         grads = [param.main_grad for param in params]  # type: ignore[attr-defined]
-        work = self.comm_hook.launch(bucket.grad_data, params, grads, self.hook_bucket_offset + position)
+        index = self.hook_bucket_offset + position
+        work = self.comm_hook.launch(HookBucket(bucket.grad_data, params, grads, index))
         launched = collectives.Launched([work])
         return launched.record("all_reduce", f"{self.label}.hook", bucket.grad_data, self.collective_group)
 

@@ -37,16 +37,16 @@ class HookBucket:
         params: Sequence[torch.nn.Parameter],
         grads: Sequence[torch.Tensor],
         index: int,
-        last: bool,
     ) -> None:
         self._buffer, self._params, self._grads = buffer, list(params), list(grads)
-        self._index, self._last = index, last
+        self._index = index
+        self.last = False  # set by RegisteredHook.launch, which counts the cycle's buckets
 
     def index(self) -> int:
         return self._index
 
     def is_last(self) -> bool:
-        return self._last
+        return self.last
 
     def buffer(self) -> torch.Tensor:
         """The bucket's flat grads (padding included: zeros that every hook leaves meaningless)."""
@@ -90,19 +90,13 @@ class RegisteredHook:
         self._pending: HookWork | None = None
         self._handed = 0  # buckets handed over in this cycle
 
-    def launch(
-        self,
-        buffer: torch.Tensor,
-        params: Sequence[torch.nn.Parameter],
-        grads: Sequence[torch.Tensor],
-        index: int,
-    ) -> HookWork:
-        """Hand the hook one bucket: ``buffer`` (scaled so the hook's mean is the wanted reduction), its
-        ``params`` and their ``grads`` (views into ``buffer``); waiting the work lands the result there."""
+    def launch(self, bucket: HookBucket) -> HookWork:
+        """Hand the hook one bucket, its buffer scaled so the hook's mean is the wanted reduction; waiting
+        the work lands the result in that buffer."""
         if self._pending is not None:
             self._pending.future.wait()
         self._handed = (self._handed + 1) % self.count
-        bucket = HookBucket(buffer, params, grads, index, last=self._handed == 0)
-        work = HookWork(self.hook(self.state, bucket), buffer)
+        bucket.last = self._handed == 0
+        work = HookWork(self.hook(self.state, bucket), bucket.buffer())
         self._pending = work
         return work

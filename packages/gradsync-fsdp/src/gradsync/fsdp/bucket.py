@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.buffers.collectives import Launched, all_gather_shards, chain
-from gradsync.buffers.comm_hook import RegisteredHook
+from gradsync.buffers.comm_hook import HookBucket, RegisteredHook
 from gradsync.buffers.grad_checks import LocalGradNorms
 from gradsync.buffers.low_precision_reduce import GradCommWire, reduce_bucket
 from gradsync.buffers.shard_alignment import shard_alignment_of
@@ -472,7 +472,7 @@ class FlatParamBucket:
         if scale != 1.0:
             wire.mul_(scale)
         grads = [self._item_view(wire, 0, item.offset, item.end, item.shape) for item in self.layout.items]
-        work = self.comm_hook.launch(wire, self.spec.params, grads, self.hook_index)
+        work = self.comm_hook.launch(HookBucket(wire, self.spec.params, grads, self.hook_index))
         return Launched([work]).record("all_reduce", f"{self.label}.hook", wire, self.group)
 
     def finish_reduce_shard(self, shard: torch.Tensor) -> None:
