@@ -88,6 +88,19 @@ def test_torchs_allreduce_hook_trains_as_one_process(
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_torchs_allreduce_hook_under_the_bf16_recipe_lands_the_plain_reductions_bits(strategy: str) -> None:
+    """bf16 weights, fp32 main grads: the hook averages the fp32 grads that the backend's own reduction
+    would have summed after scaling by 1/dp, the same values at a power-of-two group size."""
+    recipe = {"dtype": torch.bfloat16, "main_grads_dtype": torch.float32}
+    plain = run_distributed(train, 2, args=(strategy, "none", recipe))
+    hooked = run_distributed(train, 2, args=(strategy, "allreduce", recipe))
+    for (want, _), (got, _) in zip(plain, hooked, strict=True):
+        assert all(torch.equal(w, w.bfloat16().float()) for w in want.values())  # bf16 weights, read as fp32
+        assert max_relative_difference(want, cached_reference(2, 1, STEPS)) > 1e-4
+        assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
 def test_torchs_powersgd_hook_compresses_after_its_start_iteration(strategy: str) -> None:
     plain = run_distributed(train, 2, args=(strategy, "allreduce", {}))
     compressed = run_distributed(train, 2, args=(strategy, "powersgd", {}))

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.buffers import ensure_params_ready
-from gradsync.buffers.collectives import Launched, all_reduce
-from gradsync.buffers.low_precision_reduce import LowPrecisionReduction
+from gradsync.buffers.collectives import Launched
+from gradsync.buffers.low_precision_reduce import GradCommWire, reduce_bucket
 from gradsync.buffers.wire_format import WireFormat, is_wire_dtype, wire_dtype_names
 
 
@@ -62,7 +62,11 @@ class DiLoCo:
         if world is None:
             raise RuntimeError("DiLoCo: call torch.distributed.init_process_group() first (or pass group=)")
         self.group: dist.ProcessGroup = world
-        self.wire = WireFormat(wire_dtype, wire_block_size) if wire_dtype is not None else None
+        self.wire = (
+            GradCommWire(WireFormat(wire_dtype, wire_block_size), error_feedback=False)
+            if wire_dtype is not None
+            else None
+        )
         with torch.no_grad():
             ensure_params_ready(self.params)
             self.synced = [nn.Parameter(p.detach().float().clone()) for p in self.params]
@@ -105,12 +109,11 @@ class DiLoCo:
             reload()
 
     def _average(self, moves: torch.Tensor) -> Launched:
-        if self.wire is None:
-            self.communicated_bytes += moves.numel() * moves.element_size()
-            return all_reduce(moves, self.group, average=True, label="diloco")
-        reduction = LowPrecisionReduction(moves, self.group, self.wire, average=True, residual=None)
-        self.communicated_bytes += reduction.wire_bytes
-        return reduction.all_reduce("diloco")
+        launched, sent = reduce_bucket(
+            moves, self.group, self.wire, "diloco", scatter=False, average=True, label="diloco"
+        )
+        self.communicated_bytes += sent
+        return launched
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state, the outer optimizer's (its momentum), the synced weights and the

@@ -471,9 +471,18 @@ class FlatParamBucket:
         scale = reduction.factor * (1 if reduction.average else self.group.size())
         if scale != 1.0:
             wire.mul_(scale)
-        grads = [self._item_view(wire, 0, item.offset, item.end, item.shape) for item in self.layout.items]
-        work = self.comm_hook.launch(HookBucket(wire, self.spec.params, grads, self.hook_index))
+        bucket = HookBucket(wire, self.spec.params, self._grad_views(wire), self.hook_index)
+        work = self.comm_hook.launch(bucket)
         return Launched([work]).record("all_reduce", f"{self.label}.hook", wire, self.group)
+
+    def _grad_views(self, wire: torch.Tensor) -> list[torch.Tensor]:
+        """Each param's view of the whole-bucket ``wire``: the views the grad hooks add into where ``wire``
+        is their buffer (kept across steps), else built for this cast copy."""
+        if self.sharding.shard_grads:
+            return [self._unreduced_item(index) for index in range(len(self.layout.items))]
+        if wire is self.grad:
+            return self._grad_items
+        return [self._item_view(wire, 0, item.offset, item.end, item.shape) for item in self.layout.items]
 
     def finish_reduce_shard(self, shard: torch.Tensor) -> None:
         """Land this rank's reduced shard (a reduce-scatter's result) in the grad buffer."""
