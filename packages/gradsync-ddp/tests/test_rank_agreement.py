@@ -1,7 +1,8 @@
 """Ranks that disagree and user mistakes (world 2): every one raises by name on every rank, or works.
 
 A config field or argument set on one rank only, replicas that start from different weights, an optimizer
-step without ``finish_grad_sync()``, a param frozen at wrap time and unfrozen later, a second wrapper over
+step without ``finish_grad_sync()``, a rank that abandons its step (its backward raised and was caught,
+or it ran none), a param frozen at wrap time and unfrozen later, a second wrapper over
 params a live wrapper holds. Each rank catches what it raised and returns the message, so a test sees
 every rank's outcome (a rank that hung would fail the call by its timeout)."""
 
@@ -26,9 +27,10 @@ from ddp_testkit import (
 )
 
 from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.buffers.step_ballot import is_vote_group
 from gradsync.ddp import DistributedDataParallel, DistributedOptimizer
 from gradsync.groups import ModelParallelConfig
-from gradsync.groups.testing import run_distributed
+from gradsync.groups.testing import run_distributed, step_abandoned_on_rank_one
 
 PLAIN = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=4000)
 DISTOPT = dataclasses.replace(PLAIN, use_distributed_optimizer=True, overlap_param_gather=True)
@@ -157,21 +159,92 @@ def test_a_second_wrapper_over_live_wrapped_params_raises() -> None:
         assert after_drop == "ok"  # dropping the first frees the params
 
 
-def rank_one_skips_its_backward(config: DistributedDataParallelConfig) -> str:
+def abandoned_then_retried(config: DistributedDataParallelConfig, skip: str) -> tuple[str, torch.Tensor]:
+    """Step 0; step 1 abandoned on rank 1 (``skip``: its backward raised and was caught, or it ran no
+    backward); every rank catches what it raised and takes step 1 again, then step 2."""
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = Trainer.build(config, "sgd")
+    trainer.step(0, rank, world, 1)
     trainer.ddp.zero_grad_buffer()
-    if rank == 0:  # it would wait in the reduction for rank 1's grads: stop before syncing
-        trainer.ddp(local_microbatches(0, rank, world, 1)[0]).backward()
-        return "ran its backward"
-    return outcome(trainer.ddp.finish_grad_sync)  # a collective here would hang the call: it times out
+    trainer.optimizer.zero_grad()
+    (batch,) = local_microbatches(1, rank, world, 1)
+    raised = step_abandoned_on_rank_one(
+        skip,
+        trainer.model.attention,
+        lambda: trainer.ddp(batch),
+        trainer.ddp.finish_grad_sync,
+        trainer.ddp.zero_grad_buffer,
+    )
+    message = f"{type(raised).__name__}: {raised}"
+    trainer.step(1, rank, world, 1)
+    trainer.step(2, rank, world, 1)
+    return message, trainer.full_params()
 
 
+@pytest.mark.parametrize("skip", ["raised", "no_backward"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
 @pytest.mark.parametrize("config", [PLAIN, DISTOPT], ids=["ddp", "distopt"])
-def test_a_rank_that_skipped_its_backward_is_refused_before_any_collective(
-    config: DistributedDataParallelConfig,
+def test_a_rank_that_abandons_its_step_makes_every_rank_raise_and_leaves_no_trace(
+    config: DistributedDataParallelConfig, overlap: bool, skip: str
 ) -> None:
-    plain = dataclasses.replace(config, overlap_grad_reduce=False, overlap_param_gather=False)
-    ran, refused = run_distributed(rank_one_skips_its_backward, 2, args=(plain,), timeout=60)
-    assert ran == "ran its backward"
-    assert "finish_grad_sync() on rank 1 with no backward since zero_grad_buffer()" in refused, refused
+    """Rank 1 completes the reductions it left so rank 0 does not wait; both raise by name before any
+    step; retried, training matches one process on the whole batch."""
+    config = dataclasses.replace(
+        config, overlap_grad_reduce=overlap, overlap_param_gather=overlap and config.overlap_param_gather
+    )
+    (waited, params0), (abandoned, params1) = run_distributed(
+        abandoned_then_retried, 2, args=(config, skip), timeout=90
+    )
+    who = "AbandonedStepError: DistributedDataParallel"
+    assert waited.startswith(f"{who}: rank(s) [1] of the data-parallel group abandoned this step"), waited
+    reason = (
+        "its backward raised part-way (an exception caught around loss.backward()) and zero_grad_buffer()"
+        if skip == "raised"
+        else "finish_grad_sync() on rank 1 with no backward since zero_grad_buffer()"
+    )
+    assert abandoned.startswith(f"{who}: rank 1 abandoned this step: {reason}"), abandoned
+    want = reference_training("sgd", 2, 1, 3)
+    for got in (params0, params1):
+        assert max_relative_difference(got, want) <= 1e-6
+
+
+def votes_then_abandoned_without_them(check: bool) -> tuple[int, str]:
+    """The votes one healthy step casts; then, with ``check_abandoned_steps`` off, rank 1 syncs with no
+    backward (rank 0 stops after its backward: nothing would come to end its reduction)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # no overlap: rank 0's backward launches no reduction that rank 1 would leave in flight
+    config = dataclasses.replace(PLAIN, overlap_grad_reduce=False, check_abandoned_steps=check)
+    trainer = Trainer.build(config, "sgd")
+    votes: list[int] = []
+    original = dist.all_reduce
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        votes.extend([1] if is_vote_group(kwargs.get("group")) else [])
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting  # type: ignore[assignment]
+    try:
+        trainer.step(0, rank, world, 1)
+    finally:
+        dist.all_reduce = original
+    if check:
+        return len(votes), ""
+    trainer.ddp.zero_grad_buffer()
+    loss = trainer.ddp(local_microbatches(1, rank, world, 1)[0])
+    if rank == 0:
+        loss.backward()
+        return len(votes), "ran its backward"
+    return len(votes), outcome(trainer.ddp.finish_grad_sync)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_check_abandoned_steps_false_casts_no_vote_and_raises_alone(check: bool) -> None:
+    """The opt-out: no vote per step, and a rank that abandons its step raises before any collective
+    (completing them would let the others step on them unwarned)."""
+    (votes0, ran), (votes1, refused) = run_distributed(votes_then_abandoned_without_them, 2, args=(check,))
+    assert votes0 == votes1 == (1 if check else 0)
+    if not check:
+        assert ran == "ran its backward"
+        assert refused.startswith(
+            "AbandonedStepError: DistributedDataParallel: rank 1 abandoned this step"
+        ), refused

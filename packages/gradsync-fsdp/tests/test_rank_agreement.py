@@ -1,6 +1,7 @@
 """Ranks that disagree and user mistakes under MegatronFSDP (world 2): each raises by name on every rank,
 or works. A strategy, config field or unit list set on one rank only; replicas that start from different
-weights; an optimizer step without ``finish_grad_sync()``; a rank that skipped its backward; a param
+weights; an optimizer step without ``finish_grad_sync()``; a rank that abandoned its step (its backward
+raised and was caught, or it ran none); a param
 frozen at wrap time and unfrozen later; a second wrapper over params a live wrapper holds; plain
 ``torch.save`` of the model's and the optimizer's state dicts. Each rank returns what it raised, so a test
 sees every rank's outcome (a rank left waiting in a collective would fail the call by its timeout)."""
@@ -19,6 +20,7 @@ from fsdp_testkit import (
     Block,
     TinyTransformer,
     Trainer,
+    cached_reference,
     full_weights,
     local_microbatches,
     make_optimizer,
@@ -31,7 +33,7 @@ from fsdp_testkit import (
 from gradsync.buffers import DistributedDataParallelConfig
 from gradsync.fsdp import MegatronFSDP, fully_shard, fully_shard_model
 from gradsync.fsdp import fsdp2 as torch_style
-from gradsync.groups.testing import run_distributed
+from gradsync.groups.testing import run_distributed, step_abandoned_on_rank_one
 
 
 def outcome(action: Callable[[], Any]) -> str:
@@ -122,20 +124,64 @@ def test_a_step_without_finish_grad_sync_raises_on_every_rank(strategy: str) -> 
         assert message.startswith("RuntimeError: MegatronFSDP: optimizer step after a backward"), message
 
 
-def rank_one_skips_its_backward(strategy: str) -> str:
-    trainer = Trainer.build(strategy, overlap_grad_reduce=False, overlap_param_gather=False)
+def abandoned_then_retried(strategy: str, skip: str, outer: int = 1) -> tuple[str, dict[str, torch.Tensor]]:
+    """Step 0; step 1 abandoned on rank 1 (``skip``: its backward raised and was caught, or it ran no
+    backward); every rank catches what it raised and takes step 1 again, then step 2."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = Trainer.build(strategy, outer=outer)
+    trainer.step(0, 1)
     trainer.model.zero_grad_buffer()
-    if dist.get_rank() == 0:  # it would wait for rank 1's grads: stop before syncing
-        trainer.model(local_microbatches(0, 0, 2, 1)[0]).backward()
-        return "ran its backward"
-    return outcome(trainer.model.finish_grad_sync)  # a collective here would hang the call
+    trainer.optimizer.zero_grad()
+    (batch,) = local_microbatches(1, rank, world, 1)
+    raised = step_abandoned_on_rank_one(
+        skip,
+        trainer.model.module.blocks[0],
+        lambda: trainer.model(batch),
+        trainer.model.finish_grad_sync,
+        trainer.model.zero_grad_buffer,
+    )
+    message = f"{type(raised).__name__}: {raised}"
+    trainer.step(1, 1)
+    trainer.step(2, 1)
+    return message, full_weights(trainer.model)
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
-def test_a_rank_that_skipped_its_backward_is_refused_before_any_collective(strategy: str) -> None:
-    ran, refused = run_distributed(rank_one_skips_its_backward, 2, args=(strategy,), timeout=60)
-    assert ran == "ran its backward"
-    assert "finish_grad_sync() on rank 1 with no backward since zero_grad_buffer()" in refused, refused
+@pytest.mark.parametrize("skip", ["raised", "no_backward"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_rank_that_abandons_its_step_makes_every_rank_raise_and_leaves_no_trace(
+    strategy: str, skip: str
+) -> None:
+    """Rank 1 completes the step's collectives (gathers its backward did not reach, every reduction) so
+    rank 0 does not wait; both raise by name before any step; retried, training matches one process."""
+    check_every_rank_raised(
+        run_distributed(abandoned_then_retried, 2, args=(strategy, skip), timeout=90), skip
+    )
+
+
+def test_under_hsdp_every_replica_raises() -> None:
+    """Two ZeRO-3 replicas of two ranks: rank 1's shard peer and the other replica, whose outer
+    reduction its abandoned step also leaves, raise with it."""
+    runs = run_distributed(abandoned_then_retried, 4, args=("optim_grads_params", "raised", 2), timeout=120)
+    check_every_rank_raised(runs, "raised")
+
+
+def check_every_rank_raised(runs: list[tuple[str, dict[str, torch.Tensor]]], skip: str) -> None:
+    reason = (
+        "its backward raised part-way (an exception caught around loss.backward()) and zero_grad_buffer()"
+        if skip == "raised"
+        else "finish_grad_sync() on rank 1 with no backward since zero_grad_buffer()"
+    )
+    want = cached_reference(len(runs), 1, 3)
+    for rank, (message, weights) in enumerate(runs):
+        if rank == 1:
+            assert message.startswith(
+                f"AbandonedStepError: MegatronFSDP: rank 1 abandoned this step: {reason}"
+            )
+        else:
+            assert message.startswith("AbandonedStepError: MegatronFSDP: rank(s) [1] of the data-parallel"), (
+                message
+            )
+        assert max_relative_difference(weights, want) <= 1e-6
 
 
 def unfrozen_after_wrapping(strategy: str) -> str:

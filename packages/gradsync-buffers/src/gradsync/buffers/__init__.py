@@ -52,6 +52,7 @@ from .shard_alignment import (
     resolve_shard_alignments,
 )
 from .stats import CollectiveRecord, CommStats
+from .step_ballot import AbandonedStepError
 from .telemetry import CommTelemetry, active_telemetry, disable_telemetry, enable_telemetry
 from .version import __version__
 from .watchdog import (
@@ -71,6 +72,7 @@ _ParamAndGradBucketGroup = ParamAndGradBucketGroup
 __all__ = [
     "FSDP_ONLY_FIELDS",
     "PARAM_READY_CALLBACK_ATTR",
+    "AbandonedStepError",
     "BlockShampoo",
     "BufferKey",
     "CollectiveHangError",

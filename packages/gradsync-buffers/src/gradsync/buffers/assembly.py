@@ -8,6 +8,7 @@ here, before any collective.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,6 +49,18 @@ class GradBuffers:
             group.label = f"bucket_group{index}"
         for index, group in enumerate(self.expert_parallel_bucket_groups):
             group.label = f"expert_bucket_group{index}"
+        clock = itertools.count()
+        for group in self.all_bucket_groups:
+            group.grad_clock = clock
+
+    def launch_order(self) -> list[ParamAndGradBucketGroup]:
+        """The order in which every rank launches the bucket groups' reductions (with
+        ``overlap_grad_reduce``): the groups' own in the first iteration (its ``finish_grad_sync`` launches
+        them), later the order the backward readies them in, the same every iteration."""
+        groups = self.all_bucket_groups
+        if not groups or groups[0].is_first_batch:
+            return groups
+        return sorted(groups, key=lambda group: group.readied_at)
 
     def reset(self) -> None:
         """Zero every grad and start a new iteration in every bucket group.

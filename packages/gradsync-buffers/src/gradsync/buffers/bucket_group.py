@@ -9,6 +9,7 @@ gathered back, group by group, ahead of the forward pass that needs them.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Sequence
 from itertools import pairwise
@@ -64,6 +65,10 @@ class ParamAndGradBucketGroup:
         self.param_names = {p: name for b in buckets for p, name in b.param_names.items()}
         self.next_param_gather_bucket_group: ParamAndGradBucketGroup | None = None
         self.previous_grad_reduce_bucket_group: ParamAndGradBucketGroup | None = None
+        self.grad_clock = itertools.count()  # GradBuffers shares one among a model's groups
+        self.readied_at = 0
+        """When this group's last grad arrived in the first iteration, on ``grad_clock``: the order the
+        backward readies the groups in, and so launches their reductions in every later iteration."""
 
         self.golden_per_param_grad_ready_counts: dict[Parameter, int] = {}
         self.per_param_grad_ready_counts: dict[Parameter, int] = {}
@@ -130,6 +135,7 @@ class ParamAndGradBucketGroup:
         before = self.per_param_grad_ready_counts.get(param, 0)
         self.per_param_grad_ready_counts[param] = before + 1
         if self.is_first_batch:
+            self.readied_at = next(self.grad_clock)
             return
         golden = self.golden_per_param_grad_ready_counts.get(param, 0)
         self._mismatched_counts += (before == golden) - (before + 1 == golden)

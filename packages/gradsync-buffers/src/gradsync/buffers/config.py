@@ -130,6 +130,12 @@ class DistributedDataParallelConfig:
     param_gather_block_size: int = 32
     """Elements per fp32 scale when param_gather_dtype is an fp8 dtype."""
 
+    check_abandoned_steps: bool = True
+    """gradsync's own: every data-parallel rank votes at each finish_grad_sync() (one small gloo all-reduce)
+    so that a rank abandoning its step (its backward raised and was caught) makes every rank raise, after
+    completing the collectives the others wait for. False: no vote; that rank raises alone and the others
+    wait for the process group's timeout, as with torch's DDP (docs/rank-agreement.md)."""
+
     def __post_init__(self) -> None:
         if self.use_custom_fsdp:
             warnings.warn(

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
+from .step_ballot import is_vote_group
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,9 @@ def issued_collectives() -> Iterator[list[IssuedCollective]]:
         original: Callable[..., Any], kind: str, payload: Callable[..., torch.Tensor]
     ) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            tensor = payload(args)
-            seen.append(IssuedCollective(kind, kwargs.get("group"), tensor.numel() * tensor.element_size()))
+            tensor, group = payload(args), kwargs.get("group")
+            if not is_vote_group(group):  # a step's vote (:mod:`.step_ballot`) carries no data
+                seen.append(IssuedCollective(kind, group, tensor.numel() * tensor.element_size()))
             return original(*args, **kwargs)
 
         return call

@@ -10,7 +10,7 @@ torch runs global optimizer step pre-hooks before every ``torch.optim.Optimizer.
 the owner of each param the optimizer holds to refuse a step that would apply wrong grads: a backward
 whose grads were never synchronised (``finish_grad_sync`` forgotten: this rank's unreduced grads, or
 none), or a param frozen when the wrapper was built and trainable now (its grads bypass the buffers).
-A rank that syncs grads without having run a backward since ``zero_grad_buffer()`` is refused too.
+A rank that syncs with no backward since ``zero_grad_buffer()`` abandons the step (:mod:`.step_ballot`).
 """
 
 from __future__ import annotations
@@ -76,21 +76,17 @@ def refuse_unfrozen(frozen: Sequence[tuple[str, nn.Parameter]], who: str) -> Non
         )
 
 
-def refuse_sync_without_backward(
-    backward_ran: bool, grads: Callable[[], Iterable[torch.Tensor]], who: str
-) -> None:
-    """Raise, before any collective, on a rank that syncs grads with no backward since
-    ``zero_grad_buffer()`` and nothing written into its grads: it skipped the batch (an exception caught
-    around its backward, say) while the other ranks' reductions wait for its grads. torch's DDP raises on
-    that rank too; the others stay in their collectives until the process group's timeout (or gradsync's
-    hang watchdog) ends them. Grads written by hand (tests, custom accumulation) are synced as given; only
-    on this rare path are the grads read (a host sync on an accelerator)."""
-    if not backward_ran and not any(bool(grad.any()) for grad in grads()):
-        raise RuntimeError(
-            f"{who}: finish_grad_sync() on rank {dist.get_rank()} with no backward since zero_grad_buffer(); "
-            "every data-parallel rank must run forward and backward every step, or the others wait for its "
-            "grads. To skip a batch on one rank, still run its backward with the loss multiplied by 0."
-        )
+def skipped_backward(backward_ran: bool, grads: Callable[[], Iterable[torch.Tensor]]) -> str | None:
+    """Why a rank that syncs grads with no backward since ``zero_grad_buffer()`` and nothing written into
+    its grads abandons the step (it skipped the batch while the other ranks' reductions wait for its
+    grads), or None. Grads written by hand (tests, custom accumulation) are synced as given; only on this
+    rare path are the grads read (a host sync on an accelerator)."""
+    if backward_ran or any(bool(grad.any()) for grad in grads()):
+        return None
+    return (
+        f"finish_grad_sync() on rank {dist.get_rank()} with no backward since zero_grad_buffer(); every "
+        "data-parallel rank must run forward and backward every step"
+    )
 
 
 _OWNERS: weakref.WeakKeyDictionary[Optimizer, dict[str, tuple[tuple[int, ...], list[weakref.ref[Any]]]]] = (

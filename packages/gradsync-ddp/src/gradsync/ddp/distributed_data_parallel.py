@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -39,13 +39,14 @@ from gradsync.buffers.shard_alignment import (
     set_shard_alignments,
     shard_alignment_of,
 )
+from gradsync.buffers.step_ballot import BACKWARD_RAISED, StepBallot
 from gradsync.buffers.wrapper_claims import (
     claim,
     first_owned_elsewhere,
     guard_optimizer_steps,
     refuse_owned_elsewhere,
-    refuse_sync_without_backward,
     refuse_unfrozen,
+    skipped_backward,
 )
 from gradsync.groups import ModelParallelConfigProtocol, ProcessGroupCollection
 from gradsync.groups.model_config import describe_model_parallel
@@ -107,9 +108,11 @@ class DistributedDataParallel(_BaseDataParallel):
     params with the same config and arguments (an error on every rank names the first difference). Then,
     as torch's DDP does, every replica starts from the first data-parallel rank's params (``init_sync``,
     gradsync's addition; False keeps the reference's behaviour: call :meth:`broadcast_params` yourself).
-    An optimizer step after a backward whose grads were not synchronised (no :meth:`finish_grad_sync`),
-    or after a param frozen at wrap time was unfrozen, raises; so does a second wrapper over params a live
-    gradsync wrapper holds.
+    A rank that abandons a step (its backward raised and the exception was caught, or it syncs with no
+    backward) raises, and so does every other data-parallel rank at its :meth:`finish_grad_sync`
+    (:mod:`gradsync.buffers.step_ballot`). An optimizer step after a backward whose grads were not
+    synchronised (no :meth:`finish_grad_sync`), or after a param frozen at wrap time was unfrozen, raises;
+    so does a second wrapper over params a live gradsync wrapper holds.
     """
 
     def __init__(
@@ -230,6 +233,13 @@ class DistributedDataParallel(_BaseDataParallel):
         self._frozen_at_wrap = [(n, p) for n, p in named if not p.requires_grad]
         self._grads_pending = False  # a backward ran since the last finish_grad_sync / zero_grad_buffer
         self._backward_this_cycle = True  # a backward ran since zero_grad_buffer (none called yet: unknown)
+        self._in_backward = False  # a backward delivered grads and has not ended (it raised, if it never)
+        expert_dp = [self.pg_collection.expt_dp] if self.expert_parallel_bucket_groups else []
+        self._ballot = StepBallot(
+            [dp_cp, *expert_dp],  # type: ignore[list-item]
+            type(self).__name__,
+            ddp_config.check_abandoned_steps,
+        )
         claim((p for _, p in named), self)
         guard_optimizer_steps()
 
@@ -268,11 +278,17 @@ class DistributedDataParallel(_BaseDataParallel):
                 main_grad.add_(grad)
             param.grad = None
             ddp._grads_pending = ddp._backward_this_cycle = True
+            if not ddp._in_backward:  # the engine runs the callback when this backward ends, not if it raises
+                ddp._in_backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(ddp._backward_ended)
             if ddp.ddp_config.overlap_grad_reduce:
                 owned = cast(nn.Parameter, param)  # the hook is handed the param itself
                 ddp.param_to_bucket_group[owned].register_grad_ready(owned, ddp.force_all_reduce)
 
         return hook
+
+    def _backward_ended(self) -> None:
+        self._in_backward = False
 
     def _watch_weight_loads(self) -> None:
         """Count ``load_state_dict`` calls on the module or any submodule (held weakly, like the hooks)."""
@@ -385,8 +401,13 @@ class DistributedDataParallel(_BaseDataParallel):
         grad, so any torch.optim optimizer can step: a view of ``main_grad`` when dtypes match, else a copy
         in the param dtype that :meth:`scale_gradients` (and finalize_model_grads' reductions) keep equal
         to ``main_grad``."""
-        refuse_sync_without_backward(self._backward_this_cycle, self._grad_buffers, type(self).__name__)
+        self._ballot.refuse_abandoned("finish_grad_sync()", self._in_backward, self._abandon)
+        skipped = skipped_backward(self._backward_this_cycle, self._grad_buffers)
+        if skipped is not None:
+            self._abandon(skipped)
+        counted = self._ballot.post()
         self.grad_buffers.finish_grad_sync(force_all_reduce)
+        counted()
         self._grads_pending = False
         if self.ddp_config.use_distributed_optimizer and not force_all_reduce:
             return  # only this rank's shard is reduced; the DistributedOptimizer reads main_grad
@@ -405,13 +426,16 @@ class DistributedDataParallel(_BaseDataParallel):
         """Zero all grads and start a new iteration; call it at the start of every iteration.
 
         A reduction or gather still in flight (say, after an exception mid-step) is waited for first, so
-        the zeroing can never race with a collective writing into the buffers.
+        the zeroing can never race with a collective writing into the buffers. A backward that raised
+        part-way abandons the step here (see the class docstring).
         """
+        if self._in_backward:
+            self._abandon(BACKWARD_RAISED.format(call="zero_grad_buffer()"))
         for param in self.params_with_grad:
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
             param.grad = None
         self.grad_buffers.reset()
-        self._grads_pending = self._backward_this_cycle = False
+        self._grads_pending = self._backward_this_cycle = self._ballot.abandoned = False
 
     def _grad_buffers(self) -> Iterator[torch.Tensor]:
         return (buffer.grad_data for buffer in self.grad_buffers.all_buffers)
@@ -419,13 +443,29 @@ class DistributedDataParallel(_BaseDataParallel):
     def refuse_unsynced_step(self) -> None:
         """Raise before an optimizer step that would apply wrong grads (run by a global step pre-hook,
         and by the DistributedOptimizer before it reads the grads)."""
-        if self._grads_pending:
+        self._ballot.refuse_abandoned("an optimizer step", self._in_backward, self._abandon)
+        if self._grads_pending:  # every rank usually runs the same code: each raises, no collective waits
             raise RuntimeError(
                 f"{type(self).__name__}: optimizer step after a backward whose grads were not synchronised; "
                 "call model.finish_grad_sync() (finalize_model_grads does) between the last backward and "
                 "the step: stepping now would apply this rank's unreduced grads, or none"
             )
         refuse_unfrozen(self._frozen_at_wrap, type(self).__name__)
+
+    def _abandon(self, reason: str) -> NoReturn:
+        """Complete this step's reductions for the other ranks, then raise on every rank."""
+        self._in_backward = self._grads_pending = False
+        self._ballot.abandon(self._complete_step_reductions, reason)
+
+    def _complete_step_reductions(self) -> None:
+        """Every bucket group's reduction, as the other ranks' backward and finish_grad_sync run them:
+        those the abandoned backward did not launch are launched now, in the order the others launch them
+        (:meth:`GradBuffers.launch_order`)."""
+        if self.ddp_config.overlap_grad_reduce:
+            for group in self.grad_buffers.launch_order():
+                if not group.grad_reduce_dispatched:
+                    group.start_grad_sync()
+        self.grad_buffers.finish_grad_sync()
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
         """Gather params after a distributed-optimizer step (async with overlap_param_gather)."""

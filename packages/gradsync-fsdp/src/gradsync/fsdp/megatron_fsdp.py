@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -40,14 +40,15 @@ from gradsync.buffers.comm_hook import CommHook, RegisteredHook
 from gradsync.buffers.grad_checks import LocalGradNorms, non_finite_ranks
 from gradsync.buffers.low_precision_reduce import GradCommWire
 from gradsync.buffers.shard_alignment import ShardAlignmentSpec, ShardBalance, set_shard_alignments
+from gradsync.buffers.step_ballot import BACKWARD_RAISED, AbandonedStepError, StepBallot
 from gradsync.buffers.wire_format import WireFormat
 from gradsync.buffers.wrapper_claims import (
     claim,
     first_owned_elsewhere,
     guard_optimizer_steps,
     refuse_owned_elsewhere,
-    refuse_sync_without_backward,
     refuse_unfrozen,
+    skipped_backward,
 )
 from gradsync.groups import FSDPDistributedIndex
 
@@ -367,7 +368,8 @@ class MegatronFSDP(nn.Module):
             cycle_ends=self._cycle_ends,
             queue_capacity=self.suggested_communication_unit_size,
         )
-        self._in_backward = False
+        self._in_backward = False  # the root's pre-backward ran and its post-backward not (yet, or ever)
+        self._ballot = StepBallot([self._all_dp_group()], "MegatronFSDP", ddp_config.check_abandoned_steps)
         self._grads_finished = False
         self.units_kept_after_forward: set[int] = set()  # ZeRO-3 units not released after their forward
         self._all_modules = list(module.modules())
@@ -587,12 +589,17 @@ class MegatronFSDP(nn.Module):
         self._grads_finished = False
         self._grads_pending = self._backward_this_cycle = True
         set_state(self._all_modules, TrainingState.PRE_BACKWARD)
-        if self.sharding.shard_params:  # an earlier microbatch's backward may have released them
+        self._gather_root_buckets()
+        torch.autograd.Variable._execution_engine.queue_callback(self._root_post_backward)
+
+    def _gather_root_buckets(self) -> None:
+        """ZeRO-3: the buckets outside every unit, at the backward's start (an earlier microbatch's
+        backward may have released them)."""
+        if self.sharding.shard_params:
             for bucket in self._non_unit_buckets:
                 bucket.launch_gather()
             for bucket in self._non_unit_buckets:
                 bucket.wait_gather()
-        torch.autograd.Variable._execution_engine.queue_callback(self._root_post_backward)
 
     @labelled("pre_backward")
     def _unit_pre_backward(self, unit_id: int) -> None:
@@ -630,6 +637,11 @@ class MegatronFSDP(nn.Module):
 
     @labelled("root_post_backward")
     def _root_post_backward(self) -> None:
+        self._end_backward()
+        if self.model_auto_sync:
+            self.finish_grad_sync()
+
+    def _end_backward(self) -> None:
         """End of the backward: buckets some param of which got no grad on this rank complete, every
         reduction is waited (:meth:`ReduceSchedule.end_backward`), and ZeRO-3 drops every gathered
         weight."""
@@ -643,8 +655,6 @@ class MegatronFSDP(nn.Module):
         self._forwards_awaiting_backward = max(0, self._forwards_awaiting_backward - 1)
         if not self._forwards_awaiting_backward:  # no recomputation can need the compute params now
             self._replace_param_with_distributed_if_needed()
-        if self.model_auto_sync:
-            self.finish_grad_sync()
 
     # --- gathers -----------------------------------------------------------------------------------
     def all_gather_and_wait_parameters_ready(
@@ -728,9 +738,14 @@ class MegatronFSDP(nn.Module):
         reductions on the attached grads)."""
         if self._grads_finished:
             return
-        refuse_sync_without_backward(self._backward_this_cycle, self._grad_buffers, "MegatronFSDP")
+        self._ballot.refuse_abandoned("finish_grad_sync()", self._in_backward, self._abandon)
+        skipped = skipped_backward(self._backward_this_cycle, self._grad_buffers)
+        if skipped is not None:
+            self._abandon(skipped)
+        counted = self._ballot.post()
         self.synchronize_gradient_reduce()
         self._refuse_non_finite_grads()
+        counted()
         self.attach_grad_to_optimizer_state()
         self.microbatch_count = 0
         self._grads_finished = True
@@ -743,7 +758,7 @@ class MegatronFSDP(nn.Module):
         params), if any rank's local grads held NaN or Inf before a reduction of this cycle."""
         if self._grad_norms is None:
             return
-        group = self.outer.hybrid_group if self.outer is not None else self.dist_index.get_fsdp_group()
+        group = self._all_dp_group()
         bad = non_finite_ranks(self._grad_norms.gather(group, "fsdp.grad_norms"), group)
         params = {b.bucket_id: b.non_finite_params for b in self.buckets}
         for bucket in self.buckets:
@@ -756,6 +771,10 @@ class MegatronFSDP(nn.Module):
                 f"MegatronFSDP (check_for_nan_in_grad=True): NaN or Inf in the grads of bucket {bucket_id} "
                 f"({names}) on rank(s) {ranks}, before the reduction{here}"
             )
+
+    def _all_dp_group(self) -> dist.ProcessGroup:
+        """Every data-parallel rank: the shard group, or HSDP's shard and outer groups together."""
+        return self.outer.hybrid_group if self.outer is not None else self.dist_index.get_fsdp_group()
 
     def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
         """Multiply every grad by ``scaling_factor``: the buffers, and attached grads that are copies."""
@@ -772,7 +791,10 @@ class MegatronFSDP(nn.Module):
 
     @labelled("zero_grad_buffer")
     def zero_grad_buffer(self) -> None:
-        """Zero the grad buffers and drop the optimizer params' grads; call once per optimizer step."""
+        """Zero the grad buffers and drop the optimizer params' grads; call once per optimizer step. A
+        backward that raised part-way abandons the step here (see :mod:`gradsync.buffers.step_ballot`)."""
+        if self._in_backward:
+            self._abandon(BACKWARD_RAISED.format(call="zero_grad_buffer()"))
         self._reductions.new_cycle()
         self._forwards_awaiting_backward = 0  # the cycle is over: a forward never backpropagated is dropped
         self._replace_param_with_distributed_if_needed()
@@ -785,7 +807,7 @@ class MegatronFSDP(nn.Module):
             for param in params:
                 param.grad = None
         self._grads_finished = False
-        self._grads_pending = self._backward_this_cycle = False
+        self._grads_pending = self._backward_this_cycle = self._ballot.abandoned = False
         for bucket in self.buckets:
             bucket.stats.reset()
         telemetry.next_step()
@@ -795,13 +817,44 @@ class MegatronFSDP(nn.Module):
 
     def refuse_unsynced_step(self) -> None:
         """Raise before an optimizer step that would apply wrong grads (run by a global step pre-hook)."""
-        if self._grads_pending:
+        self._ballot.refuse_abandoned("an optimizer step", self._in_backward, self._abandon)
+        if self._grads_pending:  # every rank usually runs the same code: each raises, no collective waits
             raise RuntimeError(
                 "MegatronFSDP: optimizer step after a backward whose grads were not synchronised; call "
                 "model.finish_grad_sync() (finalize_model_grads does) between the last backward and the "
                 "step: the optimizer's params hold no reduced grads of this backward"
             )
         refuse_unfrozen(self._frozen_at_wrap, "MegatronFSDP")
+
+    def _abandon(self, reason: str) -> NoReturn:
+        """Complete this step's collectives for the other ranks, then raise on every rank. Under ZeRO-3 a
+        rank that ran no forward either cannot: the others wait in the forward's gathers, which it would
+        not issue in their order; it raises alone, and they wait for the hang watchdog or the timeout."""
+        no_forward = not (self._in_backward or self._backward_this_cycle or self._forwards_awaiting_backward)
+        self._grads_pending = False
+        if self.sharding.shard_params and no_forward:
+            self._ballot.abandoned = True
+            raise AbandonedStepError(f"MegatronFSDP: rank {dist.get_rank()} abandoned this step: {reason}")
+        try:
+            self._ballot.abandon(self._complete_step_collectives, reason)
+        finally:
+            self._in_backward = False  # one vote per abandoned step, whatever the completion raised
+
+    def _complete_step_collectives(self) -> None:
+        """What the other ranks' backward and ``finish_grad_sync()`` still communicate: the rest of an
+        abandoned backward (ZeRO-3 gathers each unit it did not reach, in backward order; every bucket's
+        reduction in launch order), the reductions deferred to the cycle's end, the NaN check's gather."""
+        if self._in_backward or not self._backward_this_cycle:
+            if not self._in_backward:
+                self._gather_root_buckets()
+            if self.sharding.shard_params:
+                for unit_id in reversed(range(len(self.units))):
+                    if get_state(self.units[unit_id]) is not TrainingState.POST_BACKWARD:
+                        self._unit_pre_backward(unit_id)
+                        self._unit_post_backward(unit_id)
+            self._end_backward()
+        self.synchronize_gradient_reduce()
+        self._refuse_non_finite_grads()
 
     def _install_if_stepped(self) -> None:
         """Weights are read or gathered: bring an optimizer step in first (the flag is the same on every

@@ -24,18 +24,22 @@ from typing import Any, TypeVar
 
 from .delays import CollectiveProbe, DeferredWork, delayed_collectives
 from .devices import backend_for, requested_device, test_device
+from .faults import InjectedFault, raise_in_backward, step_abandoned_on_rank_one
 from .pool import RankFailure, RankPool, RankTimeout, Rendezvous
 
 __all__ = [
     "CollectiveProbe",
     "DeferredWork",
+    "InjectedFault",
     "RankFailure",
     "RankPool",
     "RankTimeout",
     "delayed_collectives",
     "distributed_test",
+    "raise_in_backward",
     "run_distributed",
     "shutdown_pools",
+    "step_abandoned_on_rank_one",
     "test_device",
 ]
 

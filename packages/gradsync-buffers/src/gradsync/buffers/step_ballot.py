@@ -1,0 +1,155 @@
+"""Every rank of a data-parallel group says, once per ``finish_grad_sync()``, whether it completed its part
+of the step, so that a rank that abandoned its step makes every rank raise, by name, instead of leaving
+the others waiting for its grads or stepping on reductions it never joined.
+
+A rank abandons its step when its backward raised part-way and the exception was caught (the next
+``zero_grad_buffer()``, ``finish_grad_sync()`` or optimizer step finds the backward never ended), or when
+it syncs with no backward at all. It first completes the collectives its step left (the rest of its
+backward's gathers, every reduction, with the grads it has and zeros where none arrived), so that the
+others' collectives end, then votes ``abandoned`` and raises :class:`AbandonedStepError`; it refuses to
+sync or step again until ``zero_grad_buffer()``. The others vote at their ``finish_grad_sync()``, after
+their reductions; the count names the abandoning ranks, and they raise before any optimizer step can use
+the grads.
+
+The votes travel on a gloo group of their own over the same ranks (one per set of ranks, built at its
+first vote, once per process and world): a CPU tensor, so the count is read with no device sync, and
+a group apart, so a vote never reorders the data collectives. One all-reduce of a vector of the group's
+size per step, posted before the reductions are waited for and counted after them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from gradsync.groups import guard_group_teardown
+from gradsync.groups.torch_internals import default_group
+
+BALLOT_DESC = "gradsync_step_ballot"
+"""``group_desc`` of the vote groups, as torch's logs and traces show it."""
+
+_VOTE_GROUPS: dict[tuple[int, ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+"""Global ranks -> (the world's default group when the vote group was built, the vote group): one per set
+of ranks, shared by every data-parallel group over them (torch names a group built with local
+synchronization after its ranks alone, so a second one over the same ranks cannot be built), never handed
+out to another world."""
+
+
+def is_vote_group(group: object) -> bool:
+    """Whether ``group`` carries the votes (a test that counts the data collectives leaves them out)."""
+    return any(votes is group for _, votes in _VOTE_GROUPS.values())
+
+
+BACKWARD_RAISED = (
+    "its backward raised part-way (an exception caught around loss.backward()) and {call} came next, so its "
+    "grads are incomplete and its collectives out of step with the other ranks'"
+)
+"""Why a rank whose backward never ended abandons the step (``{call}``: what found it)."""
+
+
+class AbandonedStepError(RuntimeError):
+    """A data-parallel rank abandoned the step: raised on that rank (with its reason) and on every other
+    rank of its group (naming it)."""
+
+
+def _vote_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A gloo group over ``group``'s ranks; only those ranks build it (``use_local_synchronization``)."""
+    world, ranks = default_group(), tuple(dist.get_process_group_ranks(group))
+    cached = _VOTE_GROUPS.get(ranks)
+    if cached is not None and cached[0] is world:
+        return cached[1]
+    votes: dist.ProcessGroup = dist.new_group(
+        list(ranks),
+        backend="gloo",
+        use_local_synchronization=True,
+        group_desc=BALLOT_DESC,
+    )
+    guard_group_teardown(votes)
+    _VOTE_GROUPS[ranks] = (world, votes)
+    return votes
+
+
+class StepBallot:
+    """The votes of one wrapper over its data-parallel ``groups`` (groups of one rank need none). The vote
+    groups are built at the first vote, which every rank of a group reaches (at construction, a rank
+    whose checks raised would leave the others waiting in the build)."""
+
+    def __init__(self, groups: Sequence[dist.ProcessGroup], who: str, enabled: bool = True) -> None:
+        """``enabled`` False (``check_abandoned_steps=False``): no votes; a rank that abandons its step
+        raises alone, before any collective."""
+        self.enabled = enabled
+        groups = groups if enabled else []
+        self.data_groups = list({id(group): group for group in groups if group.size() > 1}.values())
+        self._groups: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] | None = None
+        self.who = who
+        self.abandoned = False  # this rank abandoned the step; zero_grad_buffer() clears it
+
+    @property
+    def groups(self) -> list[tuple[dist.ProcessGroup, dist.ProcessGroup]]:
+        """(data-parallel group, its vote group) pairs."""
+        if self._groups is None:
+            self._groups = [(group, _vote_group(group)) for group in self.data_groups]
+        return self._groups
+
+    def post(self) -> Callable[[], None]:
+        """Vote "completed" on every group; the returned function waits for the count and raises
+        :class:`AbandonedStepError` naming the ranks that abandoned the step, if any."""
+        counts = [self._vote(group, votes, abandoned=False) for group, votes in self.groups]
+
+        def check() -> None:
+            for work, tally, group in counts:
+                work.wait()
+                abandoned = [dist.get_global_rank(group, i) for i in tally.nonzero().flatten().tolist()]
+                if abandoned:
+                    raise AbandonedStepError(
+                        f"{self.who}: rank(s) {abandoned} of the data-parallel group abandoned this step "
+                        f"(each raised its reason), so the grads reduced on rank {dist.get_rank()} lack "
+                        "their part: no rank may step on them. Fix the cause on those ranks; to skip a "
+                        "batch on one rank, run its backward with the loss multiplied by 0."
+                    )
+
+        return check
+
+    def refuse_abandoned(
+        self, call: str, backward_unfinished: bool, abandon: Callable[[str], NoReturn]
+    ) -> None:
+        """Before ``call`` (a sync or an optimizer step): raise if this rank abandoned the step (until
+        ``zero_grad_buffer()``), and ``abandon`` it if a backward started and never ended."""
+        if self.abandoned:
+            raise AbandonedStepError(
+                f"{self.who}: {call} on rank {dist.get_rank()} in a step it abandoned; call "
+                "zero_grad_buffer() and start the next step"
+            )
+        if backward_unfinished:
+            abandon(BACKWARD_RAISED.format(call=call))
+
+    def abandon(self, complete_collectives: Callable[[], None], reason: str) -> NoReturn:
+        """Complete the collectives the other ranks still wait for, vote "abandoned", raise ``reason``."""
+        self.abandoned = True
+        if not self.enabled:  # completing the collectives would let the others step on them unwarned
+            raise AbandonedStepError(f"{self.who}: rank {dist.get_rank()} abandoned this step: {reason}")
+        failure: BaseException | None = None
+        try:
+            complete_collectives()
+        except Exception as error:  # the vote must still go out, or the others would wait for it
+            failure = error
+        for work, _, _ in [self._vote(group, votes, abandoned=True) for group, votes in self.groups]:
+            work.wait()
+        raise AbandonedStepError(
+            f"{self.who}: rank {dist.get_rank()} abandoned this step: {reason}. It completed the step's "
+            "collectives with the grads it had (zeros where none arrived) so that the other data-parallel "
+            "ranks do not wait, and they raise too, naming this rank."
+        ) from failure
+
+    @staticmethod
+    def _vote(
+        group: dist.ProcessGroup, votes: dist.ProcessGroup, abandoned: bool
+    ) -> tuple[dist.Work, torch.Tensor, dist.ProcessGroup]:
+        tally = torch.zeros(group.size(), dtype=torch.int32)
+        tally[dist.get_rank(group)] = int(abandoned)
+        work = dist.all_reduce(tally, group=votes, async_op=True)
+        assert work is not None
+        return work, tally, group
