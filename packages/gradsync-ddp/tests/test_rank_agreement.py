@@ -159,11 +159,13 @@ def test_a_second_wrapper_over_live_wrapped_params_raises() -> None:
         assert after_drop == "ok"  # dropping the first frees the params
 
 
-def abandoned_then_retried(config: DistributedDataParallelConfig, skip: str) -> tuple[str, torch.Tensor]:
+def abandoned_then_retried(
+    config: DistributedDataParallelConfig, skip: str, dtype: torch.dtype = torch.float32
+) -> tuple[str, torch.Tensor]:
     """Step 0; step 1 abandoned on rank 1 (``skip``: its backward raised and was caught, or it ran no
     backward); every rank catches what it raised and takes step 1 again, then step 2."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    trainer = Trainer.build(config, "sgd")
+    trainer = Trainer.build(config, "sgd", dtype=dtype)
     trainer.step(0, rank, world, 1)
     trainer.ddp.zero_grad_buffer()
     trainer.optimizer.zero_grad()
@@ -206,6 +208,25 @@ def test_a_rank_that_abandons_its_step_makes_every_rank_raise_and_leaves_no_trac
     want = reference_training("sgd", 2, 1, 3)
     for got in (params0, params1):
         assert max_relative_difference(got, want) <= 1e-6
+
+
+def trained_without_a_fault(config: DistributedDataParallelConfig, dtype: torch.dtype) -> torch.Tensor:
+    trainer = Trainer.build(config, "sgd", dtype=dtype)
+    for step in range(3):
+        trainer.step(step, dist.get_rank(), dist.get_world_size(), 1)
+    return trainer.full_params()
+
+
+@pytest.mark.parametrize("config", [PLAIN, DISTOPT], ids=["ddp", "distopt"])
+def test_an_abandoned_bf16_step_leaves_no_trace(config: DistributedDataParallelConfig) -> None:
+    """bf16 params and grads: after the abandoned step is caught and retried, the weights are bit-identical
+    to a run in which no rank abandoned anything."""
+    outcomes = run_distributed(abandoned_then_retried, 2, args=(config, "raised", torch.bfloat16), timeout=90)
+    clean = run_distributed(trained_without_a_fault, 2, args=(config, torch.bfloat16))
+    for (message, got), want in zip(outcomes, clean, strict=True):
+        assert message.startswith("AbandonedStepError: DistributedDataParallel: rank"), message
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, want)
 
 
 def votes_then_abandoned_without_them(check: bool) -> tuple[int, str]:

@@ -124,11 +124,13 @@ def test_a_step_without_finish_grad_sync_raises_on_every_rank(strategy: str) -> 
         assert message.startswith("RuntimeError: MegatronFSDP: optimizer step after a backward"), message
 
 
-def abandoned_then_retried(strategy: str, skip: str, outer: int = 1) -> tuple[str, dict[str, torch.Tensor]]:
+def abandoned_then_retried(
+    strategy: str, skip: str, outer: int = 1, dtype: torch.dtype = torch.float32
+) -> tuple[str, dict[str, torch.Tensor]]:
     """Step 0; step 1 abandoned on rank 1 (``skip``: its backward raised and was caught, or it ran no
     backward); every rank catches what it raised and takes step 1 again, then step 2."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    trainer = Trainer.build(strategy, outer=outer)
+    trainer = Trainer.build(strategy, outer=outer, dtype=dtype)
     trainer.step(0, 1)
     trainer.model.zero_grad_buffer()
     trainer.optimizer.zero_grad()
@@ -156,6 +158,27 @@ def test_a_rank_that_abandons_its_step_makes_every_rank_raise_and_leaves_no_trac
     check_every_rank_raised(
         run_distributed(abandoned_then_retried, 2, args=(strategy, skip), timeout=90), skip
     )
+
+
+def trained_without_a_fault(strategy: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    trainer = Trainer.build(strategy, dtype=dtype)
+    for step in range(3):
+        trainer.step(step, 1)
+    return full_weights(trainer.model)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_an_abandoned_bf16_step_leaves_no_trace(strategy: str) -> None:
+    """A bf16 model (fp32 main weights): after the abandoned step is caught and retried, the weights are
+    bit-identical to a run in which no rank abandoned anything."""
+    runs = run_distributed(
+        abandoned_then_retried, 2, args=(strategy, "raised", 1, torch.bfloat16), timeout=90
+    )
+    clean = run_distributed(trained_without_a_fault, 2, args=(strategy, torch.bfloat16))
+    for (message, got), want in zip(runs, clean, strict=True):
+        assert message.startswith("AbandonedStepError: MegatronFSDP: rank"), message
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[name], want[name]) for name in want)
 
 
 def test_under_hsdp_every_replica_raises() -> None:

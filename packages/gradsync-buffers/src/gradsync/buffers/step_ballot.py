@@ -148,6 +148,8 @@ class StepBallot:
     def _vote(
         group: dist.ProcessGroup, votes: dist.ProcessGroup, abandoned: bool
     ) -> tuple[dist.Work, torch.Tensor, dist.ProcessGroup]:
+        # A fresh tally per vote: one whose count was never read (its step raised in between) may still be
+        # in flight when the next vote goes out.
         tally = torch.zeros(group.size(), dtype=torch.int32)
         tally[dist.get_rank(group)] = int(abandoned)
         work = dist.all_reduce(tally, group=votes, async_op=True)

@@ -50,6 +50,7 @@ from gradsync.buffers.wrapper_claims import (
 )
 from gradsync.groups import ModelParallelConfigProtocol, ProcessGroupCollection
 from gradsync.groups.model_config import describe_model_parallel
+from gradsync.groups.torch_internals import queue_backward_end_callback
 
 from .base import _BaseDataParallel
 from .param_ready import BucketParamReadyCallback
@@ -280,7 +281,7 @@ class DistributedDataParallel(_BaseDataParallel):
             ddp._grads_pending = ddp._backward_this_cycle = True
             if not ddp._in_backward:  # the engine runs the callback when this backward ends, not if it raises
                 ddp._in_backward = True
-                torch.autograd.Variable._execution_engine.queue_callback(ddp._backward_ended)
+                queue_backward_end_callback(ddp._backward_ended)
             if ddp.ddp_config.overlap_grad_reduce:
                 owned = cast(nn.Parameter, param)  # the hook is handed the param itself
                 ddp.param_to_bucket_group[owned].register_grad_ready(owned, ddp.force_all_reduce)

@@ -51,6 +51,7 @@ from gradsync.buffers.wrapper_claims import (
     skipped_backward,
 )
 from gradsync.groups import FSDPDistributedIndex
+from gradsync.groups.torch_internals import queue_backward_end_callback
 
 from .allocator_choice import choose_allocators
 from .allocators import AllocatorStats, DoubleBufferAllocator
@@ -590,7 +591,7 @@ class MegatronFSDP(nn.Module):
         self._grads_pending = self._backward_this_cycle = True
         set_state(self._all_modules, TrainingState.PRE_BACKWARD)
         self._gather_root_buckets()
-        torch.autograd.Variable._execution_engine.queue_callback(self._root_post_backward)
+        queue_backward_end_callback(self._root_post_backward)
 
     def _gather_root_buckets(self) -> None:
         """ZeRO-3: the buckets outside every unit, at the backward's start (an earlier microbatch's

@@ -1,12 +1,16 @@
-"""Every private torch name gradsync-groups uses, each with the oldest torch it was checked on (the compat
-sessions run 2.6, 2.11, 2.13 and 2.15). Nothing else in the package touches private torch."""
+"""Every private torch name gradsync-groups uses, and those the wrappers above it share, each with the
+oldest torch it was checked on (the compat sessions run 2.6, 2.11, 2.13 and 2.15). Nothing else in the
+package touches private torch."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["backends_of", "default_group", "flatten_mesh"]
+__all__ = ["backends_of", "default_group", "flatten_mesh", "queue_backward_end_callback"]
 
 
 def default_group() -> dist.ProcessGroup:
@@ -25,3 +29,10 @@ def backends_of(group: dist.ProcessGroup) -> list[object]:
     """The backend objects (``ProcessGroupGloo``, ``ProcessGroupNCCL``, ...) behind ``group``, one per
     device type it serves (``ProcessGroup._device_types`` and ``_get_backend``, checked on 2.6)."""
     return [group._get_backend(device) for device in group._device_types]
+
+
+def queue_backward_end_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the running backward has ended, and not at all if it raises: what the
+    wrappers use to tell a backward that ended from one abandoned part-way (the autograd engine's
+    ``queue_callback``, callable only from inside a backward; checked on 2.6)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
