@@ -16,7 +16,10 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
-CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+# Every install is pinned by constraints.txt and skips byte-compiling: compiling torch's sources takes about
+# two thirds of each session's install (nearly a minute), and Python compiles what a test imports anyway.
+NO_COMPILE = "--no-compile"
+CONSTRAINTS = (NO_COMPILE, "-c", str(ROOT / "constraints.txt"))
 TEST_TOOLS = ("pytest", "pytest-timeout", "hypothesis", "numpy")
 
 # Layer of each package and the gradsync packages it declares (its pip dependencies). Kept in step with
@@ -254,12 +257,12 @@ def make_compat_session(label: str, version: str) -> None:
         pins.write_text(
             "\n".join(f"torch=={version}" if line.startswith("torch==") else line for line in lines)
         )
-        session.install("-c", str(pins), "torch", *TEST_TOOLS, env=env)
+        session.install(NO_COMPILE, "-c", str(pins), "torch", *TEST_TOOLS, env=env)
         if label == FLOOR_TORCH:  # (it leaves no gradsync package installed)
             check_readme_installs(session, env)
         # a reused venv keeps the last run's packages: put this tree's in place, over the torch above
         local = (str(ROOT / "packages" / f"gradsync-{p}") for p in PACKAGES)
-        session.install("--no-deps", "--force-reinstall", *local, env=env)
+        session.install(NO_COMPILE, "--no-deps", "--force-reinstall", *local, env=env)
         session.run(
             "python",
             "-c",
