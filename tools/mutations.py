@@ -102,6 +102,22 @@ def apply(copy: Path, mutation: Mutation) -> str:
     return text
 
 
+def baseline_runs(mutations: list[Mutation], jobs: int) -> list[tuple[str, ...]]:
+    """Every guard once, in pytest runs that ``jobs`` copies can take at once: a run holds one package's
+    tests only (module names repeat across packages), split by test module into about ``jobs`` runs each."""
+    modules: dict[str, dict[str, list[str]]] = {}
+    for guard in dict.fromkeys(g for m in mutations for g in m.guards):
+        module = guard.split("::")[0]
+        modules.setdefault(module.split("/tests/")[0], {}).setdefault(module, []).append(guard)
+    runs: list[tuple[str, ...]] = []
+    for by_module in modules.values():
+        chunks: list[list[str]] = [[] for _ in range(min(jobs, len(by_module)))]
+        for guards in sorted(by_module.values(), key=len, reverse=True):  # the largest module first
+            min(chunks, key=len).extend(guards)
+        runs.extend(tuple(chunk) for chunk in chunks)
+    return sorted(runs, key=len, reverse=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -137,19 +153,23 @@ def main() -> int:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (src_path(copy), env.get("PYTHONPATH", "")) if p)
             check_imports_from(copy, env)
             copies.put((copy, env))
-        copy, env = copies.get()
-        copies.put((copy, env))
 
-        if not args.no_baseline:  # one pytest run per package, as nox runs them (test module names repeat)
-            by_package: dict[str, list[str]] = {}
-            for guard in dict.fromkeys(g for m in mutations for g in m.guards):
-                by_package.setdefault(guard.split("/tests/")[0], []).append(guard)
-            for package, guards in by_package.items():
-                rc, tail = pytest(copy, env, tuple(guards), args.timeout)
-                if rc != 0:
-                    print(f"{package}: the guards fail without any mutation (pytest exit {rc}):\n{tail}")
-                    return 1
-            count = sum(len(g) for g in by_package.values())
+        if not args.no_baseline:
+            runs = baseline_runs(mutations, max(1, args.jobs))
+
+            def run_unmutated(guards: tuple[str, ...]) -> tuple[tuple[str, ...], int, str]:
+                copy, env = copies.get()
+                try:
+                    return (guards, *pytest(copy, env, guards, args.timeout))
+                finally:
+                    copies.put((copy, env))
+
+            with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+                for guards, rc, tail in pool.map(run_unmutated, runs):
+                    if rc != 0:
+                        print(f"the guards fail without any mutation (pytest exit {rc}): {guards}\n{tail}")
+                        return 1
+            count = sum(len(g) for g in runs)
             print(f"baseline: {count} guards pass unmutated ({time.monotonic() - started:.0f} s)")
 
         def run(m: Mutation) -> tuple[Mutation, int, str, float]:
