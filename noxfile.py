@@ -21,6 +21,7 @@ ROOT = Path(__file__).parent
 NO_COMPILE = "--no-compile"
 CONSTRAINTS = (NO_COMPILE, "-c", str(ROOT / "constraints.txt"))
 TEST_TOOLS = ("pytest", "pytest-timeout", "hypothesis", "numpy")
+SLOWEST = "--durations=10"  # every test session names its slowest tests, so a slow CI run shows where it went
 
 # Layer of each package and the gradsync packages it declares (its pip dependencies). Kept in step with
 # the pyprojects and the import-linter contract in .importlinter; the `build` session checks pip agrees.
@@ -78,7 +79,7 @@ def make_tests_session(name: str) -> None:
     @nox.session(name=f"tests-{name}")
     def tests(session: nox.Session) -> None:
         install_local(session, name, extra=TEST_TOOLS)
-        session.run("pytest", pkg_dir(name), *session.posargs)
+        session.run("pytest", SLOWEST, pkg_dir(name), *session.posargs)
 
     tests.__doc__ = f"pytest on gradsync-{name} in a venv holding only it and its dependencies."
 
@@ -270,7 +271,7 @@ def make_compat_session(label: str, version: str) -> None:
         )
         for name, files in COMPAT_TESTS.items():
             tests = [str(ROOT / "packages" / f"gradsync-{name}" / "tests" / f) for f in files]
-            session.run("pytest", "-p", "no:cacheprovider", *tests, *session.posargs)
+            session.run("pytest", SLOWEST, "-p", "no:cacheprovider", *tests, *session.posargs)
 
     compat.__doc__ = (
         f"Every package's compat subset (COMPAT_TESTS) on torch {version} from the registry, in a reused venv"
@@ -287,7 +288,7 @@ def integration(session: nox.Session) -> None:
     """The integration suite: every strategy on the CI layouts vs a single-process run, plus torchrun
     launches (report, bit-exact resume, a killed rank)."""
     install_local(session, *PACKAGES, extra=TEST_TOOLS)
-    session.run("pytest", str(ROOT / "integration"), *session.posargs)
+    session.run("pytest", SLOWEST, str(ROOT / "integration"), *session.posargs)
 
 
 @nox.session
