@@ -16,9 +16,12 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
-# Every install is pinned by constraints.txt and skips byte-compiling: compiling torch's sources takes about
-# two thirds of each session's install (nearly a minute), and Python compiles what a test imports anyway.
+# Every install is pinned by constraints.txt and skips byte-compiling: compiling all of torch's sources took
+# about two thirds of each session's install (nearly a minute). Instead the first process that imports a
+# module writes its bytecode, which needs PYTHONDONTWRITEBYTECODE unset (some images set it: every process
+# would then compile torch again at import, about 10 s each).
 NO_COMPILE = "--no-compile"
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 CONSTRAINTS = (NO_COMPILE, "-c", str(ROOT / "constraints.txt"))
 TEST_TOOLS = ("pytest", "pytest-timeout", "hypothesis", "numpy")
 SLOWEST = "--durations=10"  # every test session names its slowest tests, so a slow CI run shows where it went
