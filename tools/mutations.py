@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import queue
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,6 +104,19 @@ def apply(copy: Path, mutation: Mutation) -> str:
     return text
 
 
+Copies = queue.SimpleQueue[tuple[Path, dict[str, str]]]
+
+
+@contextlib.contextmanager
+def borrowed(copies: Copies) -> Iterator[tuple[Path, dict[str, str]]]:
+    """A free copy of the packages and its environment, handed back after the block."""
+    copy = copies.get()
+    try:
+        yield copy
+    finally:
+        copies.put(copy)
+
+
 def baseline_runs(mutations: list[Mutation], jobs: int) -> list[tuple[str, ...]]:
     """Every guard once, in pytest runs that ``jobs`` copies can take at once: a run holds one package's
     tests only (module names repeat across packages), split by test module into about ``jobs`` runs each."""
@@ -145,7 +160,7 @@ def main() -> int:
 
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gradsync-mutations-") as tmp:
-        copies: queue.SimpleQueue[tuple[Path, dict[str, str]]] = queue.SimpleQueue()
+        copies: Copies = queue.SimpleQueue()
         for index in range(max(1, args.jobs)):
             copy = Path(tmp) / str(index)
             shutil.copytree(ROOT / "packages", copy / "packages", ignore=IGNORED)
@@ -158,11 +173,8 @@ def main() -> int:
             runs = baseline_runs(mutations, max(1, args.jobs))
 
             def run_unmutated(guards: tuple[str, ...]) -> tuple[tuple[str, ...], int, str]:
-                copy, env = copies.get()
-                try:
+                with borrowed(copies) as (copy, env):
                     return (guards, *pytest(copy, env, guards, args.timeout))
-                finally:
-                    copies.put((copy, env))
 
             with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
                 for guards, rc, tail in pool.map(run_unmutated, runs):
@@ -175,17 +187,15 @@ def main() -> int:
         def run(m: Mutation) -> tuple[Mutation, int, str, float]:
             """Mutate a free copy, run the guards, put the copy back as it was."""
             t0 = time.monotonic()
-            copy, env = copies.get()
-            try:
-                original = apply(copy, m)
-            except ValueError as error:
-                copies.put((copy, env))
-                return m, -1, str(error), 0.0
-            try:
-                rc, tail = pytest(copy, env, m.guards, args.timeout)
-            finally:
-                (copy / m.file).write_text(original)
-                copies.put((copy, env))
+            with borrowed(copies) as (copy, env):
+                try:
+                    original = apply(copy, m)
+                except ValueError as error:
+                    return m, -1, str(error), 0.0
+                try:
+                    rc, tail = pytest(copy, env, m.guards, args.timeout)
+                finally:
+                    (copy / m.file).write_text(original)
             return m, rc, tail, time.monotonic() - t0
 
         failures = []

@@ -16,6 +16,7 @@ import pickle
 import queue
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,22 +28,14 @@ from .worker import STACK_DUMP_SIGNAL, Outcome, WorkerSpec, worker_main
 
 Rendezvous = Literal["file", "tcp"]
 
-PRELOADED = (
-    "gradsync.groups.testing.worker",
-    "torch.distributed.tensor",
-    "torch.distributed.checkpoint",
-    "gradsync.buffers",
-    "gradsync.ddp",
-    "gradsync.fsdp",
-    "gradsync.finalize",
-)
-"""What the fork server imports before any rank forks from it (a package not installed is skipped: each
-test session installs only its own package's closure)."""
-
 
 def _rank_context() -> ForkServerContext:
+    """Ranks fork from a server that first imports the worker and every gradsync module this process has
+    imported (the packages the calling tests use, whatever layer they are, without naming them here).
+    Read when the server starts, at the first pool of the process."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOADED))
+    imported = sorted(name for name in sys.modules if name.startswith("gradsync."))
+    ctx.set_forkserver_preload(["gradsync.groups.testing.worker", *imported])
     return ctx
 
 
