@@ -82,13 +82,18 @@ def named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def reference_training(
-    world: int, micro: int, steps: int, dtype: torch.dtype = torch.float32, init_device: str = "cpu"
+    world: int,
+    micro: int,
+    steps: int,
+    dtype: torch.dtype = torch.float32,
+    init_device: str = "cpu",
+    layers: int = LAYERS,
 ) -> dict[str, torch.Tensor]:
     """One process, the whole global batch every step. bf16: fp32 main weights stepped with fp32 grads,
     copied back to the bf16 compute weights, as MegatronFSDP's mixed-precision recipe does. ``init_device``:
     whose generator draws the initial weights (the model then moves to the test device)."""
     with torch.device(init_device):
-        model = TinyTransformer().to(dtype)
+        model = TinyTransformer(layers=layers).to(dtype)
     params = list(model.parameters())
     mains = [nn.Parameter(p.detach().float()) for p in params] if dtype != torch.float32 else params
     optimizer = make_optimizer(mains)

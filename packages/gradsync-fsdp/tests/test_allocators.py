@@ -636,9 +636,13 @@ def slots_by_pass(checkpoint: str | None) -> tuple[list[list[int]], list[list[in
     backward: list[list[int]] = [[] for _ in range(LAYERS)]
     model._replace_param_with_raw_if_needed()  # the compute params, whose storage moves between slots
     for unit_id, unit in enumerate(model.units):
-        first = next(unit.parameters())
-        unit.register_forward_pre_hook(lambda *_, u=unit_id, p=first: forward[u].append(p.data_ptr()))
-        unit.register_full_backward_pre_hook(lambda *_, u=unit_id, p=first: backward[u].append(p.data_ptr()))
+        params = list(unit.parameters())
+
+        def slot(params: list[torch.Tensor] = params) -> int:  # where the unit's weights start
+            return min(p.data_ptr() for p in params)
+
+        unit.register_forward_pre_hook(lambda *_, u=unit_id, s=slot: forward[u].append(s()))
+        unit.register_full_backward_pre_hook(lambda *_, u=unit_id, s=slot: backward[u].append(s()))
     for step in range(2):
         trainer.step(step, 1)
         plain.step(step, 1)

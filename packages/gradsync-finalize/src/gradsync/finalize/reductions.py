@@ -195,6 +195,8 @@ def reset_model_temporary_tensors(config: Any, model: Sequence[nn.Module]) -> No
     kinds = balancing if isinstance(balancing, list) else [balancing]
     global_aux = any("global_aux_loss" in kind for kind in kinds)
     expert_bias = getattr(config, "moe_router_enable_expert_bias", False)
+    if not (expert_bias or global_aux):  # nothing to reset: a dense model's step skips walking its modules
+        return
     for chunk in model:
         module: Any
         for module in chunk.modules():

@@ -75,6 +75,7 @@ from .local_step import adopt_hand_built_optimizers, watch_state_splits
 from .meta_init import ParamInitFn, materialize, replace_meta_params
 from .mixed_precision import MixedPrecisionPolicy, policy_from_config
 from .optimizer_params import OptimizerGrads, build_optimizer_params
+from .param_order import balance_param_order
 from .registration import ParamRegistry
 from .schedule import GatherSchedule, ReduceSchedule
 from .step_tracking import OWNER, watch_optimizer_steps
@@ -233,7 +234,9 @@ class MegatronFSDP(nn.Module):
         self.units = find_units(module, self.fsdp_unit_modules)
         bucket_size = None if disable_bucketing else ddp_config.bucket_size
         specs = group_into_buckets(module, self.units, bucket_size)
-        layouts = [bucket_layout(spec, self.sharding, group, self.outer) for spec in specs]
+        layouts = balance_param_order(
+            specs, lambda spec: bucket_layout(spec, self.sharding, group, self.outer)
+        )
         comm_groups = [group] if self.gather_group is group else [group, self.gather_group]
         self.allocators, self.nccl_ub_pool = choose_allocators(
             ddp_config, specs, layouts, self.mp_policy, comm_groups, self.device

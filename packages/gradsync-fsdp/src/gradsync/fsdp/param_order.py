@@ -1,0 +1,61 @@
+"""Which way round each bucket's params lie in its flat buffer, so every rank steps about as many params.
+
+A sharded bucket is cut into equal shards by elements, so where a unit's large matrices sit at one end
+and its small vectors (norms, biases) at the other, one rank holds most of the unit's params: on a
+transformer block laid out in module order, the first half of the elements holds ten of its params and
+the second half four. An element-wise optimizer costs about as much per param as per thousand elements
+(torch's single-tensor Adam: about ten kernel launches per param), so with every block cut the same way
+one rank steps three times as many params as the other and sets the pace of every step (measured on the
+launch-bound benchmark at 2 ranks: 313 params on rank 0, 100 on rank 1, 137 ms of CPU per step against
+98 ms). Laying each bucket's params forwards or backwards, whichever leaves the busiest rank least busy
+so far, balances the counts over the buckets (the next block is cut the other way round) without moving
+any shard boundary. Only the order inside a bucket changes: every param keeps its own values, views,
+hooks and checkpoint name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from .layout import BucketLayout
+from .units import BucketSpec
+
+
+def params_per_shard(layout: BucketLayout) -> list[int]:
+    """How many params have elements in each shard of ``layout`` (what an optimizer steps there)."""
+    counts = [0] * layout.world
+    for index in range(len(layout.items)):
+        for shard in range(layout.world):
+            first, last = layout.local_rows(index, shard)
+            counts[shard] += first < last
+    return counts
+
+
+def balance_param_order(
+    specs: Sequence[BucketSpec], layout_of: Callable[[BucketSpec], BucketLayout]
+) -> list[BucketLayout]:
+    """Reverse, in place, the params (and names) of each bucket whose reversed layout leaves the rank
+    stepping most params so far with fewer (ties keep the module order); the buckets' layouts, in order.
+    Unsharded buckets keep their order."""
+    layouts: list[BucketLayout] = []
+    loads: list[int] | None = None
+    for spec in specs:
+        forward = layout_of(spec)
+        if forward.world == 1 or len(spec.params) < 2:
+            layouts.append(forward)
+            continue
+        loads = loads or [0] * forward.world
+        backward = layout_of(_reversed(spec))
+        busiest = [max(map(sum, zip(loads, params_per_shard(x), strict=True))) for x in (forward, backward)]
+        chosen = forward
+        if busiest[1] < busiest[0]:
+            spec.params.reverse()
+            spec.names.reverse()
+            chosen = backward
+        loads = [a + b for a, b in zip(loads, params_per_shard(chosen), strict=True)]
+        layouts.append(chosen)
+    return layouts
+
+
+def _reversed(spec: BucketSpec) -> BucketSpec:
+    return BucketSpec(spec.dtype, spec.requires_grad, spec.unit_id, spec.names[::-1], spec.params[::-1])
