@@ -121,3 +121,30 @@ def test_broadcast_params_reaches_every_replica() -> None:
         for rank in ranks:
             got = rank[strategy]["got"]
             assert all(torch.equal(got[k], want[k]) for k in want), strategy
+
+
+def load_across_layouts(strategy: str) -> tuple[str, bool]:
+    """Shards saved by a model whose buckets all kept module order, loaded into one that balanced them."""
+    from gradsync.fsdp import megatron_fsdp
+
+    balanced = megatron_fsdp.balance_param_order
+    megatron_fsdp.balance_param_order = lambda specs, layout_of: [layout_of(spec) for spec in specs]
+    try:
+        old = wrap(strategy, seed=1, layers=4)
+    finally:
+        megatron_fsdp.balance_param_order = balanced
+    new = wrap(strategy, seed=2, layers=4)
+    before = full_weights(new)
+    with pytest.raises(ValueError, match="load_state_dict") as refused:
+        new.load_state_dict(old.state_dict())
+    after = full_weights(new)
+    return str(refused.value), all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_shards_of_another_layout_are_refused() -> None:
+    """Every rank refuses by the split, which every rank sees whole (a rank whose own rows match in both
+    layouts refuses too), and the refused state dict changes no weight, not even those of the params
+    before the first mismatched one."""
+    results = run_distributed(load_across_layouts, 2, args=("optim",))
+    assert all("laid out differently" in message for message, _ in results), results
+    assert all(unchanged for _, unchanged in results)

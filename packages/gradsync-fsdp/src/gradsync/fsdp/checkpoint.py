@@ -7,11 +7,14 @@ saved by the same layout by copying its local shard.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .bucket import FlatParamBucket
+from .ragged import RaggedDTensor
 
 
 def param_keys(module: nn.Module, prefix: str = "module.") -> dict[str, nn.Parameter]:
@@ -23,14 +26,23 @@ def param_keys(module: nn.Module, prefix: str = "module.") -> dict[str, nn.Param
     return keys
 
 
-def load_param(
+def param_loader(
     key: str, bucket: FlatParamBucket, index: int, target: nn.Parameter, value: torch.Tensor
-) -> None:
-    """Copy ``value`` (the whole param, or a DTensor shard of the same layout) into the rows of ``target``
-    (an optimizer param of ``bucket``) that this rank owns."""
+) -> Callable[[], None]:
+    """Check ``value`` (the whole param, or a DTensor shard of the same layout) against ``target`` (an
+    optimizer param of ``bucket``) and return the copy of it into the rows this rank owns: a state dict is
+    checked whole before any param changes. A split that differs is refused first: every rank sees it, so
+    every rank refuses alike."""
     local = target.to_local() if isinstance(target, DTensor) else target
     shape = bucket.layout.items[index].shape
     if isinstance(value, DTensor):
+        if isinstance(target, DTensor) and _split(value) != _split(target):
+            raise ValueError(
+                f"load_state_dict: {key!r} is split over the ranks as {_split(value)}, this model's param "
+                f"as {_split(target)}: the buckets were laid out differently (gradsync-fsdp up to 0.3.0 "
+                "kept every bucket in module order); load through torch.distributed.checkpoint, which "
+                "reshards, or load whole tensors"
+            )
         source = value.to_local()
         if tuple(value.shape) != tuple(shape) or source.shape != local.shape:
             raise ValueError(
@@ -45,5 +57,17 @@ def load_param(
             )
         first, last = bucket.owned_rows(index)
         source = value.reshape(shape)[first:last] if len(shape) else value
-    with torch.no_grad():
-        local.copy_(source.reshape(local.shape))
+
+    def copy() -> None:
+        with torch.no_grad():
+            local.copy_(source.reshape(local.shape))
+
+    return copy
+
+
+def _split(value: DTensor) -> tuple[object, ...]:
+    """Which rows every rank holds, as every rank sees it (so all of them refuse a mismatch alike): a
+    ragged split's sizes, or torch's placements."""
+    if isinstance(value, RaggedDTensor):
+        return value.ragged_placements, value.mesh_dim_order
+    return tuple(value.placements), tuple(range(value.device_mesh.ndim))

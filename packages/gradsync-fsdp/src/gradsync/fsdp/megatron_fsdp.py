@@ -56,7 +56,7 @@ from gradsync.groups.torch_internals import queue_backward_end_callback
 from .allocator_choice import choose_allocators
 from .allocators import AllocatorStats, DoubleBufferAllocator
 from .bucket import BucketStatus, FlatParamBucket, GradReduction, PrefetchOrder, bucket_layout
-from .checkpoint import load_param, param_keys
+from .checkpoint import param_keys, param_loader
 from .coalesce import ReductionGroup, grad_storage, plan_reduction_groups
 from .communication_unit import communication_unit_size, prefetch_size
 from .dcp import FIRST_ROW, describe_shard
@@ -429,12 +429,14 @@ class MegatronFSDP(nn.Module):
         """Load params from DTensor shards of the same layout or from whole tensors (each rank copies the
         rows it owns), buffers as usual; then install the weights. No collective runs."""
         params = param_keys(self.module)
+        copies = []
         for key, param in params.items():
             if key in state_dict:
                 bucket, index = self._locate(param)
-                load_param(
-                    key, bucket, index, self.sharded_param_of[bucket.spec.params[index]], state_dict[key]
-                )
+                target = self.sharded_param_of[bucket.spec.params[index]]
+                copies.append(param_loader(key, bucket, index, target, state_dict[key]))
+        for copy in copies:  # every param checked first: a refused state dict changes nothing
+            copy()
         rest = {k: v for k, v in state_dict.items() if k not in params}
         result = super().load_state_dict(rest, strict=False, assign=assign)
         result.missing_keys[:] = [k for k in result.missing_keys if k not in params or k not in state_dict]
