@@ -2,15 +2,15 @@
 
 A sharded bucket is cut into equal shards by elements, so where a unit's large matrices sit at one end
 and its small vectors (norms, biases) at the other, one rank holds most of the unit's params: on a
-transformer block laid out in module order, the first half of the elements holds ten of its params and
-the second half four. An element-wise optimizer costs about as much per param as per thousand elements
-(torch's single-tensor Adam: about ten kernel launches per param), so with every block cut the same way
-one rank steps three times as many params as the other and sets the pace of every step (measured on the
-launch-bound benchmark at 2 ranks: 313 params on rank 0, 100 on rank 1, 137 ms of CPU per step against
-98 ms). Laying each bucket's params forwards or backwards, whichever leaves the busiest rank least busy
-so far, balances the counts over the buckets (the next block is cut the other way round) without moving
-any shard boundary. Only the order inside a bucket changes: every param keeps its own values, views,
-hooks and checkpoint name.
+transformer block laid out in module order, the first half of the elements holds parts of nine of its
+twelve params and the second half parts of four (one is cut). An element-wise optimizer costs about as
+much per param as per thousand elements (torch's single-tensor Adam: about ten kernel launches per
+param), so with every block cut the same way one rank steps three times as many params as the other and
+sets the pace of every step (measured on the launch-bound benchmark at 2 ranks: 313 params on rank 0,
+100 on rank 1, 137 ms of CPU per step against 98 ms). Laying each bucket's params forwards or
+backwards, whichever leaves the busiest rank least busy so far, balances the counts over the buckets
+(the next block is cut the other way round) without moving any shard boundary. Only the order inside a
+bucket changes: every param keeps its own values, views, hooks and checkpoint name.
 """
 
 from __future__ import annotations
