@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .bucket import FlatParamBucket
-from .ragged import RaggedDTensor
+from .ragged import split_of
 
 
 def param_keys(module: nn.Module, prefix: str = "module.") -> dict[str, nn.Parameter]:
@@ -36,10 +36,10 @@ def param_loader(
     local = target.to_local() if isinstance(target, DTensor) else target
     shape = bucket.layout.items[index].shape
     if isinstance(value, DTensor):
-        if isinstance(target, DTensor) and _split(value) != _split(target):
+        if isinstance(target, DTensor) and split_of(value) != split_of(target):
             raise ValueError(
-                f"load_state_dict: {key!r} is split over the ranks as {_split(value)}, this model's param "
-                f"as {_split(target)}: the buckets were laid out differently (gradsync-fsdp up to 0.3.0 "
+                f"load_state_dict: {key!r} is split over the ranks as {split_of(value)}, this model's param "
+                f"as {split_of(target)}: the buckets were laid out differently (gradsync-fsdp up to 0.3.0 "
                 "kept every bucket in module order); load through torch.distributed.checkpoint, which "
                 "reshards, or load whole tensors"
             )
@@ -63,11 +63,3 @@ def param_loader(
             local.copy_(source.reshape(local.shape))
 
     return copy
-
-
-def _split(value: DTensor) -> tuple[object, ...]:
-    """Which rows every rank holds, as every rank sees it (so all of them refuse a mismatch alike): a
-    ragged split's sizes, or torch's placements."""
-    if isinstance(value, RaggedDTensor):
-        return value.ragged_placements, value.mesh_dim_order
-    return tuple(value.placements), tuple(range(value.device_mesh.ndim))

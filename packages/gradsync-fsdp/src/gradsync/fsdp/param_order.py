@@ -46,16 +46,19 @@ def balance_param_order(
             continue
         loads = loads or [0] * forward.world
         backward = layout_of(_reversed(spec))
-        busiest = [max(map(sum, zip(loads, params_per_shard(x), strict=True))) for x in (forward, backward)]
-        chosen = forward
-        if busiest[1] < busiest[0]:
+        as_is, reversed_ = _added(loads, forward), _added(loads, backward)
+        reverse = max(reversed_) < max(as_is)
+        if reverse:
             spec.params.reverse()
             spec.names.reverse()
-            chosen = backward
-        loads = [a + b for a, b in zip(loads, params_per_shard(chosen), strict=True)]
-        layouts.append(chosen)
+        loads = reversed_ if reverse else as_is
+        layouts.append(backward if reverse else forward)
     return layouts
 
 
 def _reversed(spec: BucketSpec) -> BucketSpec:
     return BucketSpec(spec.dtype, spec.requires_grad, spec.unit_id, spec.names[::-1], spec.params[::-1])
+
+
+def _added(loads: list[int], layout: BucketLayout) -> list[int]:
+    return [load + count for load, count in zip(loads, params_per_shard(layout), strict=True)]

@@ -281,6 +281,14 @@ def _order_of(spec: DTensorSpec) -> tuple[Any, ...]:
     return shard_order(spec.placements, range(len(spec.placements))) if order is None else order
 
 
+def split_of(tensor: DTensor) -> tuple[Any, ...]:
+    """Which rows of ``tensor`` every rank holds, as any rank can tell: a ragged split's sizes and order,
+    else torch's placements and shard order."""
+    if isinstance(tensor, RaggedDTensor):
+        return tensor.ragged_placements, tensor.mesh_dim_order
+    return tuple(tensor.placements), _order_of(tensor._spec)
+
+
 def _reordered(spec: DTensorSpec) -> bool:
     return _order_of(spec) != shard_order(spec.placements, range(len(spec.placements)))
 
