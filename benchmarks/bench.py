@@ -159,11 +159,13 @@ def write_results(
         f"{args.n_layer} layers, seq {args.seq_len}), fp32, AdamW. {world} gloo ranks with one thread each, "
         f"8 sequences per rank per step; buckets of {args.bucket_mb} MiB wherever a system has them.",
         "",
-        f"- **step / floor**: every system's steps interleaved in the same processes (one step of each in "
-        f"turn, a barrier before each), so a drift of the machine's speed touches all alike; each system's "
-        f"median step of {args.steps} (after 3 warm-up steps, the slowest rank counting) over the compute "
-        "floor's (the same model and per-rank batch in the same processes, no wrapper, no communication). "
-        f"The median over {args.repeats} such jobs in fresh processes, and their spread (lowest-highest).",
+        "- **step / floor**: every system's steps interleaved in the same processes (rounds of one step of "
+        "each, a barrier before each step, each round starting one system further on), so a drift of the "
+        "machine's speed touches all alike; a step's time is its slowest rank's. The median over "
+        f"{args.steps} rounds (after 3 warm-up rounds) of a system's step over the compute floor's in the "
+        "same round (the same model and per-rank batch in the same processes, no wrapper, no "
+        f"communication). The median over {args.repeats} such jobs in fresh processes, and their spread "
+        "(lowest-highest).",
         "- **wire / ring min**: bytes each rank wrote to its sockets per step (`wchar` in /proc/self/io; "
         "gloo sends over TCP) over the ring minimum for summing the grads, 2(p-1)/p x param bytes "
         f"= {ring_minimum(floor['param_bytes'], world) / 2**20:.1f} MiB; and **peak RSS / floor**, the "

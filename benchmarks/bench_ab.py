@@ -1,9 +1,11 @@
 """`nox -s bench-ab`: every system's step interleaved in the same processes. Every system is built on its own
-copy of the toy GPT in one torchrun job; the timed loop runs one step of each system in turn (a barrier
-before each), so a drift of the machine's speed touches all alike. Each figure is the median step time of
-the slowest rank, as a ratio to the compute floor (the same model and batch in the same processes, no
-wrapper, no communication) and to torch DDP. ``--repeats`` runs the whole job again in fresh processes and
-reports the median and the spread of each ratio; ``--json`` writes them for bench.py.
+copy of the toy GPT in one torchrun job; the timed loop runs rounds of one step of each system (a barrier
+before each; each round starts one system further on), so a drift of the machine's speed touches all
+alike. A step's time is its slowest rank's. Each ratio, to the compute floor (the same model and batch in
+the same processes, no wrapper, no communication) or to torch DDP, is the median over rounds of the two
+steps' ratio within a round; step times are medians over rounds. ``--repeats`` runs the whole job again
+in fresh processes and reports the median and the spread of each ratio; ``--json`` writes them for
+bench.py.
 
     python benchmarks/bench_ab.py [--steps 20] [--bucket-mb 4] [--repeats 1] [--systems ...]
 
@@ -88,23 +90,29 @@ def interleaved(args: argparse.Namespace) -> None:
     warmup = 3
     per_step = args.batch_per_rank * world
     batches = [local_rows(corpus.batch(i, per_step, 128), rank, world) for i in range(warmup + args.steps)]
-    times: dict[str, list[float]] = {system: [] for system in args.systems}
+    times = torch.zeros(args.steps, len(args.systems), dtype=torch.float64)
     for index, tokens in enumerate(batches):
-        for system in args.systems:
+        # each round starts one system further on, so none always runs right after the same other one
+        turn = index % len(args.systems)
+        for column in [*range(turn, len(args.systems)), *range(turn)]:
             dist.barrier()
             start = time.perf_counter()
-            steps[system](tokens)
+            steps[args.systems[column]](tokens)
             if index >= warmup:
-                times[system].append(time.perf_counter() - start)
-    medians = torch.tensor([statistics.median(times[s]) for s in args.systems], dtype=torch.float64)
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+                times[index - warmup, column] = time.perf_counter() - start
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # in each step the slowest rank sets the pace
     if rank == 0:
-        print("RESULT " + json.dumps(dict(zip(args.systems, medians.tolist(), strict=True))), flush=True)
+        rounds = dict(zip(args.systems, times.t().tolist(), strict=True))
+        print("RESULT " + json.dumps(rounds), flush=True)
     dist.destroy_process_group()
 
 
-def run_repeats(args: argparse.Namespace, bucket_mb: int) -> list[dict[str, float]]:
-    """``args.repeats`` interleaved jobs in fresh processes: per repeat, each system's median step (s)."""
+Rounds = dict[str, list[float]]
+"""One job's step times (s) per system, round by round: a round runs one step of every system."""
+
+
+def run_repeats(args: argparse.Namespace, bucket_mb: int) -> list[Rounds]:
+    """``args.repeats`` interleaved jobs in fresh processes: per repeat, each system's step times."""
     env = {
         **os.environ,
         "DS_ACCELERATOR": "cpu",
@@ -131,15 +139,23 @@ def result_of(command: list[str], env: dict[str, str]) -> Any:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def summarise(repeats: list[dict[str, float]]) -> dict[str, dict[str, float]]:
-    """Per system: the median step over repeats, and the median, lowest and highest ratio to the floor
-    and to torch DDP (each repeat's ratio against its own floor)."""
+def paired_ratio(rounds: Rounds, system: str, reference: str) -> float:
+    """The median over rounds of ``system``'s step over ``reference``'s in the same round: the machine's
+    speed drifts by tens of percent within a job, and a ratio of steps taken seconds apart cancels it."""
+    return statistics.median(
+        mine / theirs for mine, theirs in zip(rounds[system], rounds[reference], strict=True)
+    )
+
+
+def summarise(repeats: list[Rounds]) -> dict[str, dict[str, float]]:
+    """Per system: the median step over repeats (each repeat's median), and the median, lowest and
+    highest over repeats of its paired ratio to the floor; the median paired ratio to torch DDP."""
     summary = {}
     for system in repeats[0]:
-        ratios = sorted(r[system] / r["floor"] for r in repeats)
-        versus_ddp = [r[system] / r["torch-ddp"] for r in repeats if "torch-ddp" in r]
+        ratios = sorted(paired_ratio(r, system, "floor") for r in repeats)
+        versus_ddp = [paired_ratio(r, system, "torch-ddp") for r in repeats if "torch-ddp" in r]
         summary[system] = {
-            "step_s": statistics.median(r[system] for r in repeats),
+            "step_s": statistics.median(statistics.median(r[system]) for r in repeats),
             "ratio": statistics.median(ratios),
             "ratio_lo": ratios[0],
             "ratio_hi": ratios[-1],

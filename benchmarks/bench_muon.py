@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench import MUON_SUFFIXES, launch, muon_suffix, ring_minimum  # noqa: E402
-from bench_ab import commit, run_repeats  # noqa: E402
+from bench_ab import commit, paired_ratio, run_repeats  # noqa: E402
 
 STRATEGIES = ["gradsync-ddp+distopt", "gradsync-fsdp-optim", "gradsync-fsdp-optim_grads_params"]
 
@@ -38,7 +38,7 @@ def main() -> None:
     for batch, steps, repeats in zip(args.batches, args.steps, args.repeats, strict=True):
         job = argparse.Namespace(nproc=2, steps=steps, repeats=repeats, systems=systems, batch_per_rank=batch)
         runs = run_repeats(job, 4)
-        ratios[batch] = {s: statistics.median(r[s] / r["floor"] for r in runs) for s in systems}
+        ratios[batch] = {s: statistics.median(paired_ratio(r, s, "floor") for r in runs) for s in systems}
     alone = {s: launch(s, 2, ["--steps", "5", "--bucket-mb", "4"]) for s in systems[1:]}
     ring = ring_minimum(alone[systems[1]]["param_bytes"], 2)
     header = " | ".join(f"step / floor, {b} seq/rank | Muon / AdamW, {b} seq/rank" for b in args.batches)
