@@ -169,3 +169,97 @@ def test_params_with_empty_shards_follow_their_group_and_keep_the_same_state() -
             assert run["keys"] == single[name]["keys"]
             assert run["scalars"] == single[name]["scalars"]
             assert max_relative_difference(run["weights"], single[name]["weights"]) <= 1e-5
+
+
+def adam_steps_with_state_reset(replace: bool) -> dict[str, Any]:
+    """Four steps of ``fully_shard`` with Adam, its first moments reset to zero after the second: in place
+    (``exp_avg.zero_()``), or ``replace``d by new zero DTensors, which a step must then read. Also how
+    many params each step lent one by one (the others swap the whole state mapping in)."""
+    from fsdp_testkit import Block, full_weights
+
+    from gradsync.fsdp import fully_shard, local_step
+
+    module = TinyTransformer()
+    model, optimizer = fully_shard(
+        module, torch.optim.Adam(module.parameters(), lr=0.01), fsdp_unit_modules=[Block]
+    )
+    lent_one_by_one: list[int] = []
+    lend = local_step._Lent.lend
+
+    def counted(self: Any, opt: torch.optim.Optimizer) -> None:
+        lent_one_by_one[-1] += 1
+        lend(self, opt)
+
+    local_step._Lent.lend = counted  # type: ignore[method-assign]
+    try:
+        for step in range(4):
+            (batch,) = local_microbatches(step, dist.get_rank(), dist.get_world_size(), 1)
+            model(batch).backward()
+            lent_one_by_one.append(0)
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 1:
+                for state in optimizer.state.values():
+                    if replace:
+                        state["exp_avg"] = state["exp_avg"].detach().clone().zero_()
+                    else:
+                        state["exp_avg"].zero_()
+    finally:
+        local_step._Lent.lend = lend  # type: ignore[method-assign]
+    return {"weights": full_weights(model), "lent": lent_one_by_one}
+
+
+def state_reset_runs() -> dict[bool, dict[str, Any]]:
+    return {replace: adam_steps_with_state_reset(replace) for replace in (False, True)}
+
+
+def test_steps_swap_the_state_in_whole_unless_it_was_replaced() -> None:
+    """After the first step (which creates the state), a step swaps the whole state mapping in instead of
+    lending param by param; a state tensor replaced between steps is seen (the weights equal those of
+    the same reset made in place, which needs no lending), and the step after it lends one by one."""
+    for run in run_distributed(state_reset_runs, 2):
+        in_place, replaced = run[False], run[True]
+        assert max_relative_difference(replaced["weights"], in_place["weights"]) == 0.0
+        lent = in_place["lent"][0]
+        assert lent > 0
+        assert in_place["lent"] == [lent, 0, 0, 0]
+        assert replaced["lent"] == [lent, 0, lent, 0]
+
+
+def sgd_state_created_late() -> tuple[list[list[str]], int]:
+    """``fully_shard`` with SGD whose momentum is switched on after two steps: the third step creates the
+    momentum buffers in a step that swapped the state in whole. After each step: every param's state keys,
+    as callers see them, with DTensor values marked; and the number of params."""
+    from fsdp_testkit import Block
+
+    from gradsync.fsdp import fully_shard
+
+    module = TinyTransformer()
+    model, optimizer = fully_shard(
+        module, torch.optim.SGD(module.parameters(), lr=0.01), fsdp_unit_modules=[Block]
+    )
+    seen = []
+    for step in range(4):
+        (batch,) = local_microbatches(step, dist.get_rank(), dist.get_world_size(), 1)
+        model(batch).backward()
+        if step == 2:
+            optimizer.param_groups[0]["momentum"] = 0.9
+        optimizer.step()
+        optimizer.zero_grad()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        seen.append(
+            sorted(
+                f"{key}:{isinstance(value, DTensor)}"
+                for p in params
+                for key, value in optimizer.state.get(p, {}).items()
+            )
+        )
+    return seen, len(params)
+
+
+def test_state_a_swapped_step_creates_reaches_the_callers() -> None:
+    """Momentum buffers created in a step that swapped the state mapping in whole are given back as
+    DTensors under the params, as a step lending param by param gives them."""
+    for seen, params in run_distributed(sgd_state_created_late, 2):
+        assert seen[0] == seen[1] == []
+        assert seen[2] == seen[3] == ["momentum_buffer:True"] * params

@@ -17,6 +17,12 @@ MegatronFSDP attaches one to each). So it takes that state from the param steppe
 per-element state is created empty, as the step would have; a checkpoint reads the same state from every
 rank.
 
+Lending param by param costs tens of microseconds per param (most of it hashing tensors into the state
+mapping), so after a step that leaves every state dict, state tensor and grad as it found them, the next
+step swaps in a second mapping kept from the last (the lent params' entries under their locals) and
+swaps the callers' back after it; anything replaced in between, or created by the step, goes the param by
+param way.
+
 ``fully_shard_optimizer`` lends them around every step. An optimizer built by hand on the DTensor params
 (the fsdp2 API's users build torch's own, as with torch's ``fully_shard``) is adopted at its first step:
 a global pre-step hook wraps its later steps the same way, for torch's element-wise optimizers only (a
@@ -25,8 +31,10 @@ matrix optimizer on the locals would see shards for whole matrices).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import itertools
 import operator
 import types
 from collections.abc import Iterator
@@ -189,20 +197,25 @@ class _Group:
         self.stepped_locals = [t for t in self.locals if not any(t is f.local for f in self.followers)]
         self.copies: _ScalarCopies | None = None
 
-    def follow(self, optimizer: torch.optim.Optimizer, leader: _Lent) -> None:
+    def follow(self, optimizer: torch.optim.Optimizer, leader: _Lent, *, unchanged: bool) -> None:
         """After a step: the empty params that had a grad take ``leader``'s state (:meth:`_Lent.follow`),
-        by the planned copies where they still hold."""
-        followers = [f for f in self.followers if f.param.grad is not None]  # a step skips the others
-        source = optimizer.state.get(leader.param)
-        if not source:
-            return
-        if self.copies is not None and self.copies.hold(optimizer, source, followers):
-            if self.copies.mines:  # SGD keeps no scalar state
-                torch._foreach_copy_(self.copies.mines, self.copies.sources)
-            return
-        for follower in followers:
-            follower.follow(optimizer, leader)
-        self.copies = _ScalarCopies(optimizer, source, followers) if _ScalarCopies.possible(source) else None
+        by the planned copies where they still hold (``unchanged``: no state or grad was replaced since
+        they were planned, so they do)."""
+        copies = self.copies
+        if not unchanged or copies is None:
+            followers = [f for f in self.followers if f.param.grad is not None]  # a step skips the others
+            source = optimizer.state.get(leader.param)
+            if not source:
+                return
+            if copies is None or not copies.hold(optimizer, source, followers):
+                for follower in followers:
+                    follower.follow(optimizer, leader)
+                self.copies = (
+                    _ScalarCopies(optimizer, source, followers) if _ScalarCopies.possible(source) else None
+                )
+                return
+        if copies.mines:  # SGD keeps no scalar state
+            torch._foreach_copy_(copies.mines, copies.sources)
 
     def leader(self) -> _Lent | None:
         """A param with elements here that this step updates (one with a grad), which the empty ones
@@ -212,6 +225,73 @@ class _Group:
                 if candidate.param.grad is not None:
                     return candidate
         return None
+
+
+def _same(these: list[Any], those: list[Any]) -> bool:
+    return len(these) == len(those) and all(map(operator.is_, these, those))
+
+
+def _values(dicts: list[dict[str, Any]]) -> list[Any]:
+    return list(itertools.chain.from_iterable(map(dict.values, dicts)))
+
+
+def _entries(state: dict[Any, dict[str, Any]]) -> tuple[list[Any], list[Any], list[Any]]:
+    """An optimizer state mapping's keys, its per-param dicts and every value in them, in order."""
+    dicts = list(state.values())
+    return list(state), dicts, _values(dicts)
+
+
+def _unchanged(state: dict[Any, dict[str, Any]], entries: tuple[list[Any], list[Any], list[Any]]) -> bool:
+    keys, dicts, values = entries
+    return _same(list(state), keys) and _same(list(state.values()), dicts) and _same(_values(dicts), values)
+
+
+class _Swap:
+    """The optimizer's state as the last step left it, both ways round: ``user`` as callers see it (the
+    DTensor params' state) and ``step``, the same mapping with each lent param's entry under its local
+    tensor, holding the locals. While nothing has replaced the mapping, a state dict, a state tensor or a
+    grad since, the next step swaps the whole mapping in and out instead of lending param by param, which
+    costs tens of microseconds per param (on a launch-bound model, most of what lending costs)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lent: list[_Lent]) -> None:
+        self.lent, self.user, self.grads = lent, optimizer.state, self._grads(lent)
+        by_param = {id(x.param): x for x in lent}
+        step: collections.defaultdict[Any, Any] = collections.defaultdict(dict)
+        for key, value in self.user.items():
+            x = by_param.get(id(key))
+            if x is None:
+                step[key] = value
+            else:  # its lend put these locals in the optimizer for the step, and the step kept them
+                step[x.local] = x.local_state
+        self.step = step
+        self.user_entries, self.step_entries = _entries(self.user), _entries(step)
+
+    @staticmethod
+    def _grads(lent: list[_Lent]) -> list[Any]:
+        """The params' grads (their locals' are set by :meth:`_Lent.lend` only)."""
+        return [x.param.grad for x in lent]
+
+    def holds(self, optimizer: torch.optim.Optimizer, lent: list[_Lent]) -> bool:
+        return (
+            optimizer.state is self.user
+            and _same(lent, self.lent)
+            and _same(self._grads(lent), self.grads)
+            and _unchanged(self.user, self.user_entries)
+        )
+
+    def swap_in(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.state = self.step
+
+    def swap_out(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Put the callers' mapping back; False when the step created or replaced state, which is then
+        where :meth:`_Lent.give_back` expects it (the step's entries in the callers' mapping)."""
+        optimizer.state = self.user
+        if _unchanged(self.step, self.step_entries):
+            return True
+        for x in self.lent:
+            self.user.pop(x.param, None)
+        self.user.update(self.step)
+        return False
 
 
 class _Lending:
@@ -231,6 +311,7 @@ class _Lending:
                 self.groups.append(_Group(group, lent, skip_empty))
         self.lent = list(lent.values())
         self.shape = self._shape(optimizer)
+        self.swap: _Swap | None = None  # what the last step left, when it can be swapped in whole
 
     @staticmethod
     def _shape(optimizer: torch.optim.Optimizer) -> list[Any]:
@@ -268,20 +349,29 @@ def local_tensors_for_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         for group, leader in zip(lending.groups, leaders, strict=True)
         for x in (group.stepped if leader is not None else group.own)
     ]
+    swap, lending.swap = lending.swap, None  # kept only if the step leaves it valid
+    swapped = swap is not None and swap.holds(optimizer, lent)
     try:
-        for x in lent:
-            x.lend(optimizer)
+        if swapped:
+            swap.swap_in(optimizer)  # type: ignore[union-attr]
+        else:
+            for x in lent:
+                x.lend(optimizer)
         for group, leader in zip(lending.groups, leaders, strict=True):
             group.dict["params"] = group.locals if leader is None else group.stepped_locals
         yield
     finally:
         for group in lending.groups:
             group.dict["params"] = group.params
-        for x in lent:
-            x.give_back(optimizer)
+        if swapped:
+            swapped = swap.swap_out(optimizer)  # type: ignore[union-attr]
+        if not swapped:
+            for x in lent:
+                x.give_back(optimizer)
     for group, leader in zip(lending.groups, leaders, strict=True):
         if leader is not None:
-            group.follow(optimizer, leader)
+            group.follow(optimizer, leader, unchanged=swapped)
+    lending.swap = swap if swapped else _Swap(optimizer, lent)
 
 
 def split_state_as_params(optimizer: torch.optim.Optimizer) -> None:
