@@ -350,10 +350,11 @@ def local_tensors_for_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         for x in (group.stepped if leader is not None else group.own)
     ]
     swap, lending.swap = lending.swap, None  # kept only if the step leaves it valid
-    swapped = swap is not None and swap.holds(optimizer, lent)
+    if swap is not None and not swap.holds(optimizer, lent):
+        swap = None
     try:
-        if swapped:
-            swap.swap_in(optimizer)  # type: ignore[union-attr]
+        if swap is not None:
+            swap.swap_in(optimizer)
         else:
             for x in lent:
                 x.lend(optimizer)
@@ -363,15 +364,15 @@ def local_tensors_for_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     finally:
         for group in lending.groups:
             group.dict["params"] = group.params
-        if swapped:
-            swapped = swap.swap_out(optimizer)  # type: ignore[union-attr]
-        if not swapped:
+        if swap is not None and not swap.swap_out(optimizer):
+            swap = None
+        if swap is None:
             for x in lent:
                 x.give_back(optimizer)
     for group, leader in zip(lending.groups, leaders, strict=True):
         if leader is not None:
-            group.follow(optimizer, leader, unchanged=swapped)
-    lending.swap = swap if swapped else _Swap(optimizer, lent)
+            group.follow(optimizer, leader, unchanged=swap is not None)
+    lending.swap = swap if swap is not None else _Swap(optimizer, lent)
 
 
 def split_state_as_params(optimizer: torch.optim.Optimizer) -> None:
