@@ -40,10 +40,10 @@ def measure(numel: int) -> dict[str, float]:
     bucket = torch.ones(numel)
     return {
         "all_reduce": _time(lambda: collectives.all_reduce(bucket, group).wait()),
-        "rs_native": _time(lambda: collectives.reduce_scatter(bucket, group, via_all_reduce=False).wait()),
-        "rs_via_all_reduce": _time(
-            lambda: collectives.reduce_scatter(bucket, group, via_all_reduce=True).wait()
-        ),
+        **{
+            f"rs_{path}": _time(lambda path=path: collectives.reduce_scatter(bucket, group, path=path).wait())
+            for path in ("native", "all_reduce", "all_to_all")
+        },
         "ag_native": _time(lambda: collectives.all_gather_shards(bucket, group, via_broadcasts=False).wait()),
         "ag_broadcasts": _time(
             lambda: collectives.all_gather_shards(bucket, group, via_broadcasts=True).wait()
@@ -52,10 +52,12 @@ def measure(numel: int) -> dict[str, float]:
 
 
 def chosen() -> tuple[str, str]:
+    group = dist.group.WORLD
+    assert group is not None
     caps = get_backend_capabilities()
     return (
-        "rs_via_all_reduce" if caps.reduce_scatter_via_all_reduce else "rs_native",
-        "ag_broadcasts" if caps.all_gather_via_broadcasts else "ag_native",
+        f"RS {collectives.reduce_scatter_path(group, torch.device('cpu')).replace('_', '-')}",
+        "AG broadcasts" if caps.all_gather_via_broadcasts else "AG native",
     )
 
 
@@ -64,10 +66,10 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--numels", type=int, nargs="+", default=[1 << 18, 1 << 22, 1 << 24])
     args = parser.parse_args()
-    columns = ["ranks", "elements", "all_reduce ms", "RS native", "RS via all-reduce"]
+    columns = ["ranks", "elements", "all_reduce ms", "RS native", "RS via all-reduce", "RS via all-to-all"]
     columns += ["AG native", "AG broadcasts", "chosen"]
     print("| " + " | ".join(columns) + " |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|" + "---|" * len(columns))
     for world in args.worlds:
         rs_choice, ag_choice = run_distributed(chosen, world)[0]
         for numel in args.numels:
@@ -79,7 +81,8 @@ def main() -> None:
                 return f"{times[key] / times['all_reduce']:.2f}x ({moved / times[key] / 1e9:.2f} GB/s)"
 
             row = [str(world), str(numel), f"{base * 1e3:.1f}"]
-            row += [cell(k) for k in ("rs_native", "rs_via_all_reduce", "ag_native", "ag_broadcasts")]
+            keys = ("rs_native", "rs_all_reduce", "rs_all_to_all", "ag_native", "ag_broadcasts")
+            row += [cell(k) for k in keys]
             print("| " + " | ".join([*row, f"{rs_choice}, {ag_choice}"]) + " |")
 
 

@@ -152,8 +152,14 @@ def substitutable_collectives_and_stats() -> None:
         model = toy_model(num_layers=2)
         buffers = buffers_for(model, DistributedDataParallelConfig(use_distributed_optimizer=True), groups)
         (buffer,) = buffers.buffers
-        counting = Counting(collectives.dist_reduce_scatter_func)
-        collectives.dist_reduce_scatter_func = counting
+        # the reduce-scatter's path calls torch's reduce-scatter through the late-bound alias, or all_to_all
+        group = buffers.bucket_groups[0].collective_group
+        path = collectives.reduce_scatter_path(group, buffer.grad_data.device)
+        home, name = (
+            (dist, "all_to_all_single") if path == "all_to_all" else (collectives, "dist_reduce_scatter_func")
+        )
+        counting = Counting(getattr(home, name))
+        setattr(home, name, counting)
         try:
             fill_local_grads(buffers, rank)
             buffers.finish_grad_sync(force_all_reduce=True)
@@ -169,7 +175,7 @@ def substitutable_collectives_and_stats() -> None:
             )
             assert torch.equal(buffer.grad_data, scattered)
         finally:
-            collectives.dist_reduce_scatter_func = counting.inner
+            setattr(home, name, counting.inner)
         (record,) = buffers.bucket_groups[0].stats.records
         grad_data = buffer.grad_data
         assert (record.op, record.bytes, record.group_size) == (

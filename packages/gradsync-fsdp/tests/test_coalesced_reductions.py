@@ -26,8 +26,9 @@ from gradsync.buffers.step_ballot import is_vote_group
 from gradsync.groups import get_backend_capabilities
 from gradsync.groups.testing import run_distributed, test_device
 
-REDUCTIONS = {  # where gradsync's grad reductions call torch (collectives looks its reduce-scatter up late)
-    dist: ("all_reduce", "reduce"),
+REDUCTIONS = {  # where gradsync's grad reductions call torch (collectives looks its reduce-scatter up late;
+    # on gloo it reduce-scatters CPU tensors through an all-to-all)
+    dist: ("all_reduce", "reduce", "all_to_all_single"),
     collectives: ("dist_reduce_scatter_func",),
 }
 

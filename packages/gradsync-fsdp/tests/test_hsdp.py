@@ -29,7 +29,7 @@ from fsdp_testkit import (
     shard_index,
 )
 
-from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.buffers import DistributedDataParallelConfig, collectives
 from gradsync.buffers.testing import issued_collectives
 from gradsync.fsdp import MegatronFSDP
 from gradsync.groups.testing import run_distributed
@@ -114,9 +114,10 @@ def outer_collectives(outer_group: dist.ProcessGroup) -> Iterator[Counter[str]]:
 Phases = list[tuple[str, dict[str, int]]]
 
 
-def outer_stage_per_phase(outer_strategy: str, last_under_no_sync: bool) -> tuple[Phases, int]:
+def outer_stage_per_phase(outer_strategy: str, last_under_no_sync: bool) -> tuple[Phases, int, str]:
     """The outer collectives of each forward, backward and finish_grad_sync over two steps of three
-    microbatches, and how many buckets have grads."""
+    microbatches, how many buckets have grads, and the kind of collective the outer stage reduces with
+    (gloo reduce-scatters CPU tensors through an all-to-all)."""
     trainer = Trainer.build("optim_grads_params", outer=OUTER, outer_dp_sharding_strategy=outer_strategy)
     model = trainer.model
     outer_group = model.dist_index.get_outer_fsdp_group()
@@ -140,7 +141,10 @@ def outer_stage_per_phase(outer_strategy: str, last_under_no_sync: bool) -> tupl
         phase("finish_grad_sync", model.finish_grad_sync)
         trainer.optimizer.step()
         model.install_optimized_model_weights()
-    return phases, sum(bucket.spec.requires_grad for bucket in model.buckets)
+    scatter = {"native": "reduce_scatter", "all_to_all": "all_to_all", "all_reduce": "all_reduce"}
+    path = collectives.reduce_scatter_path(outer_group, model.buckets[0].weight.device)
+    kind = scatter[path] if outer_strategy == "optim" else "all_reduce"
+    return phases, sum(bucket.spec.requires_grad for bucket in model.buckets), kind
 
 
 @pytest.mark.parametrize("last_under_no_sync", [False, True])
@@ -149,9 +153,8 @@ def test_the_outer_reduction_waits_for_the_last_microbatch(
     outer_strategy: str, last_under_no_sync: bool
 ) -> None:
     results = run_distributed(outer_stage_per_phase, WORLD, args=(outer_strategy, last_under_no_sync))
-    reduce_kind = "reduce_scatter" if outer_strategy == "optim" else "all_reduce"
     where = "finish_grad_sync" if last_under_no_sync else "backward 2"
-    for phases, grad_buckets in results:
+    for phases, grad_buckets, reduce_kind in results:
         by_name = dict(phases)
         per_step = [name for name, seen in phases for _ in range(seen.get(reduce_kind, 0))]
         assert per_step == [where] * grad_buckets * 2, phases  # one per bucket per step, all in `where`

@@ -1,9 +1,12 @@
 """Schedules real training loops use, found by review: every forward before the backwards with auto-sync
 and activation checkpointing; weights read after an optimizer step before any forward; a layer that gets
-grads on one rank only (ranks must launch their reductions in one order); a backward after a step
-without zero_grad_buffer() is refused instead of counting the stepped grads twice."""
+grads on one rank only (ranks must launch their reductions in one order), and zeroed twice in a row (the
+second zeroing writes nothing unless grads were written); a backward after a step without
+zero_grad_buffer() is refused instead of counting the stepped grads twice."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -94,8 +97,9 @@ def inputs(rank: int) -> torch.Tensor:
     return torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(rank)).to(test_device())
 
 
-def grads_with_a_rank_skipping_a_layer(strategy: str, coalesced: bool) -> list[torch.Tensor]:
-    """``coalesced``: each layer a unit, their three buckets reduced as one group."""
+def sometimes_unused(strategy: str, coalesced: bool, **options: Any) -> MegatronFSDP:
+    """``coalesced``: each layer a unit, their three buckets reduced as one group. ``options``: more of
+    MegatronFSDP's arguments."""
     config = DistributedDataParallelConfig(
         use_megatron_fsdp=True,
         data_parallel_sharding_strategy=strategy,
@@ -103,9 +107,14 @@ def grads_with_a_rank_skipping_a_layer(strategy: str, coalesced: bool) -> list[t
         bucket_size=None if coalesced else WIDTH * WIDTH + WIDTH,
     )
     units = [nn.Linear] if coalesced else None
-    model = MegatronFSDP(SometimesUnused(), shard_index(), config, fsdp_unit_modules=units)
+    model = MegatronFSDP(SometimesUnused(), shard_index(), config, fsdp_unit_modules=units, **options)
     assert len(model.buckets) == 3
     assert len(model._reductions.groups) == (1 if coalesced else 3)
+    return model
+
+
+def grads_with_a_rank_skipping_a_layer(strategy: str, coalesced: bool) -> list[torch.Tensor]:
+    model = sometimes_unused(strategy, coalesced)
     rank = dist.get_rank()
     model(inputs(rank), use_third=rank == 0).backward()
     model.finish_grad_sync()
@@ -125,6 +134,41 @@ def test_reductions_pair_up_when_a_layer_gets_grads_on_one_rank_only(strategy: s
     ):
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"rank {rank}")
+
+
+def grad_buffers_zeroed_twice(strategy: str) -> dict[str, bool]:
+    """The Megatron loop's habit under fully_shard_optimizer: ``optimizer.zero_grad()`` (which zeros the
+    grad buffers) then ``model.zero_grad_buffer()``. The second zeroing is skipped only where nothing wrote
+    the grads in between: not where a reduction alone filled a bucket (the third layer on rank 1, whose
+    only grads come from rank 0 over the collective; per-token loss leaves the grads unscaled, so there the
+    collective is the only write), nor where a user wrote through a view."""
+    model = sometimes_unused(strategy, coalesced=False, calculate_per_token_loss=True)
+    rank = dist.get_rank()
+    grads = [bucket.grad for bucket in model.buckets]
+    model.zero_grad_buffer()
+    model(inputs(rank), use_third=rank == 0).backward()
+    model.finish_grad_sync()
+    filled = all(bool(grad.any()) for grad in grads if grad.numel())
+    model.zero_grad_buffer()
+    zeroed_after_reduction = not any(bool(grad.any()) for grad in grads)
+    versions = [grad._version for grad in grads]
+    model.zero_grad_buffer()
+    skipped = [grad._version for grad in grads] == versions
+    grads[-1][:1].fill_(1.0)
+    model.zero_grad_buffer()
+    zeroed_after_write = not any(bool(grad.any()) for grad in grads)
+    return {
+        "filled": filled,
+        "zeroed after a reduction": zeroed_after_reduction,
+        "second zeroing skipped": skipped,
+        "zeroed after a write through a view": zeroed_after_write,
+    }
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_second_zero_grad_buffer_writes_nothing_unless_grads_were_written(strategy: str) -> None:
+    for rank, checks in enumerate(run_distributed(grad_buffers_zeroed_twice, 2, args=(strategy,))):
+        assert all(checks.values()), (rank, checks)
 
 
 def backward_after_a_step_without_zeroing(strategy: str) -> str:

@@ -41,6 +41,8 @@ def test_gloo_serving_cuda_tensors_stays_gloo_on_cuda() -> None:
         caps = capabilities_of(backend, "cuda")
         assert (caps.name, caps.device_type) == ("gloo", "cuda")
         assert not caps.stream_ordered_wait
+        assert not caps.reduce_scatter_via_all_to_all  # measured on CPU tensors only
+    assert capabilities_of("gloo", "cpu").reduce_scatter_via_all_to_all
 
 
 def test_plain_names_default_to_their_home_device() -> None:
@@ -89,6 +91,7 @@ def test_unknown_backends_get_the_conservative_entry(backend: str, device_type: 
     assert not any(promises.values()), promises
     # ... so the collective paths fall back to the ops every backend has.
     assert (caps.reduce_scatter_via_all_reduce, caps.all_gather_via_broadcasts) == (True, True)
+    assert not caps.reduce_scatter_via_all_to_all
 
 
 def test_default_backend_wants_a_cuda_device_per_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -183,6 +183,8 @@ class FlatParamBucket:
         self._reduced_earlier: torch.Tensor | None = None  # see set_aside_reduced
         self.non_finite_params: list[str] = []  # report_nan_in_param_grad: this rank's, in this cycle
         self._grad_items: list[torch.Tensor] = []  # no_shard / ZeRO-1: each param's view of self.grad
+        self._grads_reduced_into = True  # see zero_grad
+        self._zeroed_version = -1
         if spec.requires_grad:
             lo, hi = self.grad_range
             self.grad = grad_storage
@@ -589,10 +591,27 @@ class FlatParamBucket:
         return self.local_view(self.grad, self.grad_range[0], index)
 
     def zero_grad(self) -> None:
-        if self.grad is not None:
-            self.grad.zero_()
+        """Zero the grads unless nothing wrote them since they were last zeroed: loops that call
+        ``optimizer.zero_grad()`` (which zeros the buffers under fully_shard_optimizer) and then
+        ``model.zero_grad_buffer()`` as Megatron's do would otherwise write every grad byte twice. Any
+        in-place torch op on the buffer or a view of it (a grad hook's add, a user's write through
+        ``main_grad`` or a DTensor grad) moves its version counter; a collective does not, so a reduction
+        into the buffer is noted by :meth:`note_reduction`."""
+        grad = self.grad
+        if grad is not None and (self._grads_reduced_into or grad._version != self._zeroed_version):
+            grad.zero_()
         self._drop_unreduced()
         self._reduced_earlier = None
+
+    def note_zeroed(self) -> None:
+        """Called once every bucket is zeroed: coalesced buckets' grads share one storage and so one
+        version counter, which a sibling's zeroing moves."""
+        if self.grad is not None:
+            self._zeroed_version, self._grads_reduced_into = self.grad._version, False
+
+    def note_reduction(self) -> None:
+        """A collective is about to write this bucket's grads (see :meth:`zero_grad`)."""
+        self._grads_reduced_into = True
 
 
 def _copy_overlap(target: torch.Tensor, base: int, flat: torch.Tensor, item: ItemPlacement) -> None:

@@ -807,6 +807,8 @@ class MegatronFSDP(nn.Module):
         for bucket in self.buckets:
             bucket.zero_grad()
             bucket.non_finite_params = []
+        for bucket in self.buckets:
+            bucket.note_zeroed()
         if self._grad_norms is not None:
             self._grad_norms.reset()
         for params in self._optimizer_params:

@@ -196,6 +196,7 @@ class ReduceSchedule:
             self._reduced_this_cycle.update(group.bucket_ids)
         for member in group.buckets:
             self.wait_until(member.can_take_grads)  # a bucket without grads needs a buffer now
+            member.note_reduction()
         elements = group.size
         if self.sharding.shard_grads:  # bound the temporary whole-bucket grads in flight; persistent
             # grad buffers (no_shard, optim) cost nothing more in flight, and a wait would stall the backward
@@ -216,6 +217,7 @@ class ReduceSchedule:
     def _launch_outer(self, bucket: FlatParamBucket) -> Launched:
         """``bucket``'s outer stage (it needs the inner reduction's result: see :func:`chain`)."""
         self._reduced_this_cycle.add(bucket.bucket_id)
+        bucket.note_reduction()
         return bucket.launch_outer_reduce(self.reduction)
 
     def launch_deferred(self) -> None:
