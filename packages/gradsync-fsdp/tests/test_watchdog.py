@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import time
 
+import pytest
+import torch
 import torch.distributed as dist
 from fsdp_testkit import Block, TinyTransformer, local_microbatches
 
 from gradsync.buffers import (
     CollectiveHangError,
     DistributedDataParallelConfig,
+    collectives,
     start_hang_watchdog,
     stop_hang_watchdog,
 )
@@ -59,9 +62,24 @@ def test_a_skipped_backward_is_named_with_its_fsdp_bucket() -> None:
     assert seen == report
 
 
-def healthy_steps(strategy: str) -> tuple[str, float]:
-    """Two ordinary steps with the watchdog on: no rank hangs, so nothing may be reported (gloo's
-    reduce-scatter work never reports itself complete; a wait that polled it was declared hung)."""
+def healthy_steps(strategy: str, path: collectives.ReduceScatterPath | None) -> tuple[str, float]:
+    """Two ordinary steps with the watchdog on: no rank hangs, so nothing may be reported (gloo's native
+    reduce-scatter work never reports itself complete; a wait that polled it was declared hung). ``path``:
+    the reduce-scatter path to take (None: the backend's choice; gloo's CPU tensors go through an
+    all-to-all)."""
+    chosen = collectives.reduce_scatter_path
+
+    def forced(group: dist.ProcessGroup, device: torch.device) -> collectives.ReduceScatterPath:
+        return chosen(group, device) if path is None else path
+
+    collectives.reduce_scatter_path = forced
+    try:
+        return _healthy_steps(strategy)
+    finally:
+        collectives.reduce_scatter_path = chosen
+
+
+def _healthy_steps(strategy: str) -> tuple[str, float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy)
     model = MegatronFSDP(
@@ -86,7 +104,8 @@ def healthy_steps(strategy: str) -> tuple[str, float]:
     return "", time.monotonic() - started
 
 
-def test_healthy_steps_raise_nothing() -> None:
+@pytest.mark.parametrize("path", [None, "native"])
+def test_healthy_steps_raise_nothing(path: collectives.ReduceScatterPath | None) -> None:
     for strategy in ("optim", "optim_grads", "optim_grads_params"):
-        for report, _ in run_distributed(healthy_steps, 2, args=(strategy,), reuse=False, timeout=90):
+        for report, _ in run_distributed(healthy_steps, 2, args=(strategy, path), reuse=False, timeout=90):
             assert report == "", report
