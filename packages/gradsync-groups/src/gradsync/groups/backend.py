@@ -84,7 +84,8 @@ _CAPABILITIES = {
         reduce_scatter_via_all_reduce=False,
         # Measured with torch 2.13 on 2 cores, 2/4/8 ranks, 256K-16M fp32 elements (2026-11-28): an
         # all-to-all and a local sum took 0.22-0.74x the native reduce-scatter's time (2 ranks 0.30-0.74x, 4
-        # ranks 0.31-0.55x, 8 ranks 0.22-0.48x), and 0.63-1.0x an all-reduce of the bucket.
+        # ranks 0.31-0.55x, 8 ranks 0.22-0.48x), and 0.63-1.0x an all-reduce of the bucket; through
+        # gradsync's collectives (bench-buffers, 2 and 4 ranks, 256K-16M) 0.47-0.88x the native op.
         reduce_scatter_via_all_to_all=True,
         all_gather_via_broadcasts=True,
         # Gloo runs each collective on its own worker thread; wait() joins it on the host.
