@@ -290,7 +290,8 @@ def reduce_scatter(
             ]
         )
     elif path == "all_to_all":
-        launched = Launched([_summed_all_to_all(shard, bucket, op, group, bucket.dtype)])
+        launched = Launched([_summed_all_to_all(shard, bucket, group, bucket.dtype)])
+        divide = average  # the local sum is a SUM whatever op the backend would have taken
     else:
         launched = Launched([dist_reduce_scatter_func(shard, bucket, op=op, group=group, async_op=True)])
     launched.record("reduce_scatter", label, bucket, group)
@@ -361,15 +362,12 @@ class _SummedAllToAllWork:
 def _summed_all_to_all(
     output: torch.Tensor,
     bucket: torch.Tensor,
-    op: dist.ReduceOp.RedOpType,
     group: dist.ProcessGroup | None,
     dtype: torch.dtype,
     scratch: torch.Tensor | None = None,
 ) -> _SummedAllToAllWork:
     """Launch the all-to-all that hands every rank each rank's copy of its own shard of ``bucket``; its
-    wait sums them into ``output`` in ``dtype``. Only SUM is possible."""
-    if op != dist.ReduceOp.SUM:
-        raise ValueError(f"a reduce-scatter through an all-to-all only sums (op must be SUM, not {op})")
+    wait sums them into ``output`` in ``dtype``."""
     world = group.size() if group is not None else dist.get_world_size()
     if scratch is None:
         scratch = torch.empty_like(bucket)
@@ -409,7 +407,7 @@ def reduce_scatter_with_fp32_accumulation(
             f"all_to_all_output_tensor shape ({tuple(scratch.shape)}, {scratch.dtype}) does not match "
             f"input_tensor shape ({tuple(input_tensor.shape)}, {input_tensor.dtype})"
         )
-    handle = _summed_all_to_all(output_tensor, input_tensor, op, group, torch.float32, scratch)
+    handle = _summed_all_to_all(output_tensor, input_tensor, group, torch.float32, scratch)
     if async_op:
         return handle
     handle.wait()

@@ -34,6 +34,7 @@ from .hsdp import OuterReplication
 from .layout import BucketLayout, ItemPlacement, compute_bucket_layout
 from .mixed_precision import MixedPrecisionPolicy
 from .strategy import Sharding
+from .torch_internals import version_counter
 from .units import BucketSpec
 
 
@@ -598,7 +599,7 @@ class FlatParamBucket:
         ``main_grad`` or a DTensor grad) moves its version counter; a collective does not, so a reduction
         into the buffer is noted by :meth:`note_reduction`."""
         grad = self.grad
-        if grad is not None and (self._grads_reduced_into or grad._version != self._zeroed_version):
+        if grad is not None and (self._grads_reduced_into or version_counter(grad) != self._zeroed_version):
             grad.zero_()
         self._drop_unreduced()
         self._reduced_earlier = None
@@ -607,7 +608,7 @@ class FlatParamBucket:
         """Called once every bucket is zeroed: coalesced buckets' grads share one storage and so one
         version counter, which a sibling's zeroing moves."""
         if self.grad is not None:
-            self._zeroed_version, self._grads_reduced_into = self.grad._version, False
+            self._zeroed_version, self._grads_reduced_into = version_counter(self.grad), False
 
     def note_reduction(self) -> None:
         """A collective is about to write this bucket's grads (see :meth:`zero_grad`)."""

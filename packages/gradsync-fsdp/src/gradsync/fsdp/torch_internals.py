@@ -40,6 +40,7 @@ __all__ = [
     "pytree",
     "require_shard_order",
     "spec_shard_order",
+    "version_counter",
 ]
 
 
@@ -101,3 +102,9 @@ def detach_for_saving(dtensor: torch.Tensor) -> torch.Tensor:
     wrapper._spec, wrapper._local_tensor = detached._spec, local
     wrapper.__dict__.update(detached.__dict__)
     return wrapper  # type: ignore[no-any-return]
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter, which every in-place torch op on it or on a view of it moves (checked
+    on 2.6); collectives do not move it."""
+    return int(tensor._version)
