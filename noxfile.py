@@ -155,7 +155,8 @@ def build(session: nox.Session) -> None:
     (from the repository root, torch already present) and must install exactly the layer it ends with and
     the layers that layer declares below it, nothing above, so a README that drifts fails here. Last, the
     doc check (tools/doccheck.py, and its test that plants wrong names): every name, session, flag and link
-    in the READMEs and docs/ exists, and every figure carries its provenance."""
+    in the READMEs and docs/ exists, and every figure carries its provenance; and the statistics bench_ab
+    reports its ratios with."""
     session.install(*CONSTRAINTS, "build", "torch")
     dist_dir = Path(session.create_tmp()) / "wheels"
     shutil.rmtree(dist_dir, ignore_errors=True)
@@ -164,7 +165,8 @@ def build(session: nox.Session) -> None:
     check_readme_installs(session)
     install_local(session, *PACKAGES, extra=("pytest", "nox"))
     doc_test = str(ROOT / "tools" / "test_doccheck.py")
-    session.run("pytest", "-p", "no:cacheprovider", doc_test, *session.posargs)
+    bench_stats_test = str(ROOT / "benchmarks" / "test_bench_ab.py")
+    session.run("pytest", "-p", "no:cacheprovider", doc_test, bench_stats_test, *session.posargs)
 
 
 def check_readme_installs(session: nox.Session, env: dict[str, str] | None = None) -> None:

@@ -4,8 +4,8 @@ before each; each round starts one system further on), so a drift of the machine
 alike. A step's time is its slowest rank's. Each ratio, to the compute floor (the same model and batch in
 the same processes, no wrapper, no communication) or to torch DDP, is the median over rounds of the two
 steps' ratio within a round; step times are medians over rounds. ``--repeats`` runs the whole job again
-in fresh processes and reports the median and the spread of each ratio; ``--json`` writes them for
-bench.py.
+in fresh processes and reports the median and the spread of each ratio, and a 95 % interval for the median
+ratio to torch DDP over every round; ``--json`` writes them for bench.py.
 
     python benchmarks/bench_ab.py [--steps 20] [--bucket-mb 4] [--repeats 1] [--systems ...]
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -147,32 +148,60 @@ def paired_ratio(rounds: Rounds, system: str, reference: str) -> float:
     )
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median of ``values``: the order statistics ``k`` and ``n + 1 - k``
+    (1-based), with ``k`` the largest for which the chance that fewer than ``k`` of ``n`` draws fall below
+    the true median (a fair binomial) is at most half of ``1 - confidence``. Fewer than 6 values cannot
+    reach 95 %: their whole range is returned."""
+    ordered, n = sorted(values), len(values)
+    below, k = 0.0, 0
+    while k < n // 2:
+        below += math.comb(n, k) / 2**n  # the chance that exactly k draws fall below the median
+        if below > (1 - confidence) / 2:
+            break
+        k += 1
+    k = max(k, 1)
+    return ordered[k - 1], ordered[n - k]
+
+
 def summarise(repeats: list[Rounds]) -> dict[str, dict[str, float]]:
     """Per system: the median step over repeats (each repeat's median), and the median, lowest and
-    highest over repeats of its paired ratio to the floor; the median paired ratio to torch DDP."""
+    highest over repeats of its paired ratio to the floor; the median paired ratio to torch DDP, with a
+    95 % interval for the median of that ratio over every round of every repeat (a target such as "at most
+    torch DDP's step" holds beyond the machine's noise only when the interval's top is under it)."""
     summary = {}
     for system in repeats[0]:
         ratios = sorted(paired_ratio(r, system, "floor") for r in repeats)
         versus_ddp = [paired_ratio(r, system, "torch-ddp") for r in repeats if "torch-ddp" in r]
+        every_round = [
+            mine / theirs
+            for r in repeats
+            if "torch-ddp" in r
+            for mine, theirs in zip(r[system], r["torch-ddp"], strict=True)
+        ]
+        low, high = median_interval(every_round) if every_round else (float("nan"), float("nan"))
         summary[system] = {
             "step_s": statistics.median(statistics.median(r[system]) for r in repeats),
             "ratio": statistics.median(ratios),
             "ratio_lo": ratios[0],
             "ratio_hi": ratios[-1],
             "vs_torch_ddp": statistics.median(versus_ddp) if versus_ddp else float("nan"),
+            "vs_torch_ddp_lo": low,
+            "vs_torch_ddp_hi": high,
         }
     return summary
 
 
 def table(summary: dict[str, dict[str, float]]) -> list[str]:
     lines = [
-        "| system | median ms/step | step / floor | spread over repeats | step / torch DDP |",
-        "|---|---|---|---|---|",
+        "| system | median ms/step | step / floor | spread over repeats | step / torch DDP | 95 % interval |",
+        "|---|---|---|---|---|---|",
     ]
     for system, row in summary.items():
         lines.append(
             f"| {system} | {row['step_s'] * 1e3:.1f} | {row['ratio']:.3f}x | "
-            f"{row['ratio_lo']:.3f}-{row['ratio_hi']:.3f} | {row['vs_torch_ddp']:.3f} |"
+            f"{row['ratio_lo']:.3f}-{row['ratio_hi']:.3f} | {row['vs_torch_ddp']:.3f} | "
+            f"{row['vs_torch_ddp_lo']:.3f}-{row['vs_torch_ddp_hi']:.3f} |"
         )
     return lines
 
