@@ -25,7 +25,7 @@ from fsdp_testkit import (
 from torch import nn
 
 from gradsync.buffers import DistributedDataParallelConfig
-from gradsync.fsdp import MegatronFSDP
+from gradsync.fsdp import MegatronFSDP, MixedPrecisionPolicy
 from gradsync.groups.testing import run_distributed, test_device
 
 
@@ -82,24 +82,29 @@ WIDTH = 4
 class SometimesUnused(nn.Module):
     """Three equal-sized buckets; ``third`` is used on some ranks only (data-dependent routing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.first, self.second, self.third = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
-        self.to(test_device())
+        self.to(test_device(), dtype)
 
     def forward(self, x: torch.Tensor, use_third: bool) -> torch.Tensor:
         y = self.second(self.first(x))
         return (self.third(y) if use_third else y).square().sum()
 
 
-def inputs(rank: int) -> torch.Tensor:
-    return torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(rank)).to(test_device())
+def inputs(rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(rank)).to(test_device(), dtype)
 
 
-def sometimes_unused(strategy: str, coalesced: bool, **options: Any) -> MegatronFSDP:
-    """``coalesced``: each layer a unit, their three buckets reduced as one group. ``options``: more of
-    MegatronFSDP's arguments."""
+def sometimes_unused(
+    strategy: str, coalesced: bool, dtype: torch.dtype = torch.float32, **options: Any
+) -> MegatronFSDP:
+    """``coalesced``: each layer a unit, their three buckets reduced as one group. ``dtype``: the model's
+    (bf16 gets Megatron's recipe: fp32 main weights and grads). ``options``: more of MegatronFSDP's
+    arguments."""
+    if dtype != torch.float32:
+        options["mixed_precision_policy"] = MixedPrecisionPolicy(torch.float32, torch.float32)
     config = DistributedDataParallelConfig(
         use_megatron_fsdp=True,
         data_parallel_sharding_strategy=strategy,
@@ -107,7 +112,7 @@ def sometimes_unused(strategy: str, coalesced: bool, **options: Any) -> Megatron
         bucket_size=None if coalesced else WIDTH * WIDTH + WIDTH,
     )
     units = [nn.Linear] if coalesced else None
-    model = MegatronFSDP(SometimesUnused(), shard_index(), config, fsdp_unit_modules=units, **options)
+    model = MegatronFSDP(SometimesUnused(dtype), shard_index(), config, fsdp_unit_modules=units, **options)
     assert len(model.buckets) == 3
     assert len(model._reductions.groups) == (1 if coalesced else 3)
     return model
@@ -136,17 +141,18 @@ def test_reductions_pair_up_when_a_layer_gets_grads_on_one_rank_only(strategy: s
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"rank {rank}")
 
 
-def grad_buffers_zeroed_twice(strategy: str) -> dict[str, bool]:
+def grad_buffers_zeroed_twice(strategy: str, dtype: torch.dtype) -> dict[str, bool]:
     """The Megatron loop's habit under fully_shard_optimizer: ``optimizer.zero_grad()`` (which zeros the
     grad buffers) then ``model.zero_grad_buffer()``. The second zeroing is skipped only where nothing wrote
     the grads in between: not where a reduction alone filled a bucket (the third layer on rank 1, whose
     only grads come from rank 0 over the collective; per-token loss leaves the grads unscaled, so there the
     collective is the only write), nor where a user wrote through a view."""
-    model = sometimes_unused(strategy, coalesced=False, calculate_per_token_loss=True)
+    model = sometimes_unused(strategy, coalesced=False, dtype=dtype, calculate_per_token_loss=True)
     rank = dist.get_rank()
     grads = [bucket.grad for bucket in model.buckets]
+    assert all(grad.dtype == torch.float32 for grad in grads)
     model.zero_grad_buffer()
-    model(inputs(rank), use_third=rank == 0).backward()
+    model(inputs(rank, dtype), use_third=rank == 0).backward()
     model.finish_grad_sync()
     filled = all(bool(grad.any()) for grad in grads if grad.numel())
     model.zero_grad_buffer()
@@ -165,9 +171,12 @@ def grad_buffers_zeroed_twice(strategy: str) -> dict[str, bool]:
     }
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_second_zero_grad_buffer_writes_nothing_unless_grads_were_written(strategy: str) -> None:
-    for rank, checks in enumerate(run_distributed(grad_buffers_zeroed_twice, 2, args=(strategy,))):
+def test_a_second_zero_grad_buffer_writes_nothing_unless_grads_were_written(
+    strategy: str, dtype: torch.dtype
+) -> None:
+    for rank, checks in enumerate(run_distributed(grad_buffers_zeroed_twice, 2, args=(strategy, dtype))):
         assert all(checks.values()), (rank, checks)
 
 
