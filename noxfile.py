@@ -248,6 +248,7 @@ COMPAT_TESTS = {
         "test_grad_comm_wire.py",
         "test_param_gather_wire.py",
         "test_comm_hooks.py",
+        "test_schedules.py",  # the zero-skip reads torch's version counter
     ),
     "finalize": ("test_finalize.py",),
 }
