@@ -51,11 +51,11 @@ def simulated(replicas: int, batch_of: Any) -> list[torch.Tensor]:
     return [flat_params(m) for m in models]
 
 
-def train_plain(wire_dtype: torch.dtype | None) -> tuple[list[torch.Tensor], int]:
-    """This rank's weights after every step (each rank one replica, its own batches), and the bytes its
-    syncs sent."""
+def train_plain(wire_dtype: torch.dtype | None, seed_by_rank: bool = False) -> tuple[list[torch.Tensor], int]:
+    """This rank's weights after every step (each rank one replica, its own batches; built from its own
+    seed with ``seed_by_rank``), and the bytes its syncs sent."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = TinyGPT()
+    model = TinyGPT(rank if seed_by_rank else 0)
     diloco = DiLoCo(
         model.parameters(), make_optimizer("adam", model.parameters()), SYNC_EVERY, outer_lr=OUTER_LR,
         outer_momentum=OUTER_MOMENTUM, wire_dtype=wire_dtype,
@@ -82,6 +82,14 @@ def test_diloco_equals_its_replicas_simulated_in_one_process(world: int) -> None
     for step, states in enumerate(zip(*runs, strict=True)):
         agree = all(torch.equal(states[0], s) for s in states)
         assert agree == ((step + 1) % SYNC_EVERY == 0), f"step {step}: replicas agree={agree}"
+
+
+def test_replicas_built_apart_start_from_the_first_ranks_weights() -> None:
+    """Seeded differently, the replicas would stay apart by their first difference after every sync;
+    construction broadcasts rank 0's weights (seed 0, the simulation's), as torch DDP does."""
+    want = simulated(2, lambda step, replica: local_microbatches(step, replica, 2, 1)[0])
+    for rank, (history, _) in enumerate(run_distributed(train_plain, 2, args=(None, True))):
+        assert relative(history[-1], want[rank]) <= 1e-6, rank
 
 
 def test_a_low_precision_wire_stays_near_the_fp32_one() -> None:
@@ -135,6 +143,8 @@ def test_bad_arguments_are_refused_by_name() -> None:
         DiLoCo(model.parameters(), optimizer, 0)
     with pytest.raises(ValueError, match=r"wire_dtype=torch\.float32 is not a wire dtype"):
         DiLoCo(model.parameters(), optimizer, 2, wire_dtype=torch.float32)
+    with pytest.raises(ValueError, match="wire_block_size must be a positive number of elements, got 0"):
+        DiLoCo(model.parameters(), optimizer, 2, wire_dtype=torch.float8_e4m3fn, wire_block_size=0)
 
 
 def main_params_after_a_sync() -> list[bool]:

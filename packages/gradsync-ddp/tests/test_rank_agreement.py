@@ -162,8 +162,9 @@ def test_a_second_wrapper_over_live_wrapped_params_raises() -> None:
 def abandoned_then_retried(
     config: DistributedDataParallelConfig, skip: str, dtype: torch.dtype = torch.float32
 ) -> tuple[str, torch.Tensor]:
-    """Step 0; step 1 abandoned on rank 1 (``skip``: its backward raised and was caught, or it ran no
-    backward); every rank catches what it raised and takes step 1 again, then step 2."""
+    """Step 0; step 1 abandoned on rank 1 (``skip``: its backward raised and was caught, its loss raised
+    before any backward, or it synced with none); every rank catches what it raised and takes step 1
+    again, then step 2."""
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = Trainer.build(config, "sgd", dtype=dtype)
     trainer.step(0, rank, world, 1)
@@ -183,7 +184,7 @@ def abandoned_then_retried(
     return message, trainer.full_params()
 
 
-@pytest.mark.parametrize("skip", ["raised", "no_backward"])
+@pytest.mark.parametrize("skip", ["raised", "loss_raised", "no_backward"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
 @pytest.mark.parametrize("config", [PLAIN, DISTOPT], ids=["ddp", "distopt"])
 def test_a_rank_that_abandons_its_step_makes_every_rank_raise_and_leaves_no_trace(
@@ -199,11 +200,13 @@ def test_a_rank_that_abandons_its_step_makes_every_rank_raise_and_leaves_no_trac
     )
     who = "AbandonedStepError: DistributedDataParallel"
     assert waited.startswith(f"{who}: rank(s) [1] of the data-parallel group abandoned this step"), waited
-    reason = (
-        "its backward raised part-way (an exception caught around loss.backward()) and zero_grad_buffer()"
-        if skip == "raised"
-        else "finish_grad_sync() on rank 1 with no backward since zero_grad_buffer()"
-    )
+    reason = {
+        "raised": "its backward raised part-way (an exception caught around loss.backward()) and "
+        "zero_grad_buffer()",
+        "loss_raised": "its forward ran in training mode with grad enabled, then zero_grad_buffer() came "
+        "with no backward",
+        "no_backward": "finish_grad_sync() on rank 1 with no backward since zero_grad_buffer()",
+    }[skip]
     assert abandoned.startswith(f"{who}: rank 1 abandoned this step: {reason}"), abandoned
     want = reference_training("sgd", 2, 1, 3)
     for got in (params0, params1):

@@ -39,6 +39,9 @@ def hook_of(kind: str) -> tuple[Any, Any]:
             process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=1.5
         )
         return state, powerSGD_hook.powerSGD_hook
+    if kind.endswith("-wrapper"):  # torch's wrappers cast the bucket into a copy they swap in
+        wrapper = getattr(default_hooks, f"{kind.removesuffix('-wrapper')}_compress_wrapper")
+        return None, wrapper(default_hooks.allreduce_hook)
     if kind.startswith("wire-"):
         dtype = torch.bfloat16 if kind == "wire-bf16" else torch.float8_e4m3fn
         return LowPrecisionHookState(None, dtype, error_feedback=kind == "wire-fp8-ef"), low_precision_hook
@@ -132,6 +135,15 @@ def test_the_low_precision_hook_lands_the_config_wires_bits(strategy: str, kind:
         assert all(torch.equal(got[name], want[name]) for name in want)
 
 
+@pytest.mark.parametrize("kind", ["bf16-wrapper", "fp16-wrapper"])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_torchs_compress_wrappers_land_the_mean_in_the_bucket(strategy: str, kind: str) -> None:
+    """The wrapper's future holds its cast copy; the mean must land in the bucket (``train`` checks the
+    replicas agree: each rank's own grads would set them apart)."""
+    for weights, _ in run_distributed(train, 2, args=(strategy, kind, {})):
+        assert 1e-6 < max_relative_difference(weights, cached_reference(2, 1, STEPS)) <= 1e-2
+
+
 def refusals() -> list[str]:
     messages = []
     for strategy, config in [
@@ -143,6 +155,8 @@ def refusals() -> list[str]:
             model.register_comm_hook(None, default_hooks.allreduce_hook)
         messages.append(str(caught.value))
     model = wrap("optim_grads")
+    with pytest.raises(TypeError, match="the hook must be callable, got NoneType"):
+        model.register_comm_hook(None, None)  # type: ignore[arg-type]
     model.register_comm_hook(None, default_hooks.allreduce_hook)
     with pytest.raises(RuntimeError, match="can only be called once"):
         model.register_comm_hook(None, default_hooks.allreduce_hook)

@@ -516,7 +516,26 @@ REFUSALS: dict[str, tuple[Any, str]] = {  # what to do, and the message's fragme
         "set_reshard_after_backward(False): this root releases its weights after every backward",
     ),
     "reshard a ZeRO-2 root": (refuse_zero2_resharding, "set_reshard_after_forward(True) … ZeRO-2"),
+    "mp_policy on one rank": (
+        lambda m: given_on_rank_one(
+            m, *[{"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}] * 2
+        ),
+        "fully_shard: data-parallel ranks 0 and 1 were built with different settings: mp_policy= … "
+        "param_dtype', None … param_dtype', torch.bfloat16",
+    ),
+    "reshard_after_forward on one rank": (
+        lambda m: given_on_rank_one(m, {"reshard_after_forward": False}, {}),
+        "fully_shard: data-parallel ranks 0 and 1 were built with different settings: "
+        "reshard_after_forward=(None, None, None) vs reshard_after_forward=(None, False, False)",
+    ),
 }
+
+
+def given_on_rank_one(model: TinyTransformer, units: dict[str, Any], root: dict[str, Any]) -> None:
+    """``fully_shard`` with these arguments on rank 1 only: the error names them as the user wrote them."""
+    first = dist.get_rank() != 1
+    two_units(model, **({} if first else units))
+    fully_shard(model, **({} if first else root))
 
 
 def refusal(case: str) -> str:

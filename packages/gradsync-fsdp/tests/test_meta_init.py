@@ -82,6 +82,31 @@ def test_equals_the_normally_initialised_model(
         assert all(torch.equal(got[k], want[k]) for k in want), rank
 
 
+def seeded_per_rank(strategy: str, outer: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Each rank seeds its meta init differently; the compute weights after wrapping, and after the
+    optimizer's weights are installed over them (ZeRO-1/2 and HSDP keep other copies there)."""
+    with torch.device("meta"):
+        module = TinyTransformer()
+    torch.manual_seed(SEED + dist.get_rank())
+    config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy)
+    model = MegatronFSDP(
+        module, shard_index(outer), config, fsdp_unit_modules=[Block], init_model_with_meta_device=True
+    )
+    wrapped = full_weights(model)
+    model.install_optimized_model_weights()
+    return wrapped, full_weights(model)
+
+
+@pytest.mark.parametrize(("strategy", "outer"), [("no_shard", 1), ("optim", 1), ("optim_grads_params", 2)])
+def test_replicas_seeded_apart_start_as_the_first_rank(strategy: str, outer: int) -> None:
+    """no_shard, ZeRO-1's compute weights and HSDP's outer replicas (world 2 as 2 replicas of one shard)
+    hold copies of the same rows: each rank materialised its own, and they trained apart, silently."""
+    want = normally_initialised()  # rank 0's seed
+    for rank, weights in enumerate(run_distributed(seeded_per_rank, 2, args=(strategy, outer))):
+        for got in weights:
+            assert all(torch.equal(got[k], want[k]) for k in want), rank
+
+
 class Mixed(nn.Module):
     """A module whose init sets a child's param (MultiheadAttention zeroes out_proj.bias after out_proj's
     own init drew it) and one with buffers its init fills (BatchNorm's running statistics)."""

@@ -42,8 +42,7 @@ def computed_with(strategy: str, dtype: torch.dtype) -> tuple[torch.Tensor, torc
         lambda m, _: seen.append(dict(m.named_parameters())[name].detach().clone())
     )
     batch = local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]
-    model.install_optimized_model_weights()  # ZeRO-1/2 gather once a step installed weights: as if one had
-    model(batch)
+    model(batch)  # the first forward: ZeRO-1/2 gather packed weights before it too, as after each step
     exported = model.full_state_dict(rank0_only=False)
     key = next(k for k in exported if k.endswith(name) and k.startswith("blocks.0."))
     exact = all(torch.equal(exported[k], original[k]) for k in original)

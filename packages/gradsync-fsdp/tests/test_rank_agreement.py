@@ -29,11 +29,12 @@ from fsdp_testkit import (
     shard_index,
     wrap,
 )
+from torch.distributed.tensor import DTensor
 
 from gradsync.buffers import DistributedDataParallelConfig
 from gradsync.fsdp import MegatronFSDP, fully_shard, fully_shard_model
 from gradsync.fsdp import fsdp2 as torch_style
-from gradsync.groups.testing import run_distributed, step_abandoned_on_rank_one
+from gradsync.groups.testing import run_distributed, step_abandoned_on_rank_one, test_device
 
 
 def outcome(action: Callable[[], Any]) -> str:
@@ -127,8 +128,9 @@ def test_a_step_without_finish_grad_sync_raises_on_every_rank(strategy: str) -> 
 def abandoned_then_retried(
     strategy: str, skip: str, outer: int = 1, dtype: torch.dtype = torch.float32
 ) -> tuple[str, dict[str, torch.Tensor]]:
-    """Step 0; step 1 abandoned on rank 1 (``skip``: its backward raised and was caught, or it ran no
-    backward); every rank catches what it raised and takes step 1 again, then step 2."""
+    """Step 0; step 1 abandoned on rank 1 (``skip``: its backward raised and was caught, its loss raised
+    before any backward, or it synced with none); every rank catches what it raised and takes step 1
+    again, then step 2."""
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = Trainer.build(strategy, outer=outer, dtype=dtype)
     trainer.step(0, 1)
@@ -148,7 +150,7 @@ def abandoned_then_retried(
     return message, full_weights(trainer.model)
 
 
-@pytest.mark.parametrize("skip", ["raised", "no_backward"])
+@pytest.mark.parametrize("skip", ["raised", "loss_raised", "no_backward"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_rank_that_abandons_its_step_makes_every_rank_raise_and_leaves_no_trace(
     strategy: str, skip: str
@@ -189,11 +191,13 @@ def test_under_hsdp_every_replica_raises() -> None:
 
 
 def check_every_rank_raised(runs: list[tuple[str, dict[str, torch.Tensor]]], skip: str) -> None:
-    reason = (
-        "its backward raised part-way (an exception caught around loss.backward()) and zero_grad_buffer()"
-        if skip == "raised"
-        else "finish_grad_sync() on rank 1 with no backward since zero_grad_buffer()"
-    )
+    reason = {
+        "raised": "its backward raised part-way (an exception caught around loss.backward()) and "
+        "zero_grad_buffer()",
+        "loss_raised": "its forward ran in training mode with grad enabled, then zero_grad_buffer() came "
+        "with no backward",
+        "no_backward": "finish_grad_sync() on rank 1 with no backward since zero_grad_buffer()",
+    }[skip]
     want = cached_reference(len(runs), 1, 3)
     for rank, (message, weights) in enumerate(runs):
         if rank == 1:
@@ -238,6 +242,75 @@ def test_a_second_wrapper_over_live_wrapped_params_raises() -> None:
         assert "is held by a live MegatronFSDP" in refused, refused
 
 
+def wrapped_twice_with_a_device(strategy: str) -> tuple[str, list[float]]:
+    """What the second wrapper raised, and the first one's loss over two steps after it (it must train
+    on: the refused wrapper moved nothing)."""
+    module = TinyTransformer()
+    config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy)
+    first = MegatronFSDP(module, shard_index(), config, fsdp_unit_modules=[Block])
+    refused = outcome(
+        lambda: MegatronFSDP(module, shard_index(), config, fsdp_unit_modules=[Block], device=test_device())
+    )
+    trainer = Trainer(first, make_optimizer(first.parameters()))
+    losses = []
+    for step in range(2):
+        trainer.step(step, 1)
+        with torch.no_grad():
+            losses.append(float(first(local_microbatches(0, dist.get_rank(), 2, 1)[0])))
+    return refused, losses
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_a_second_wrapper_given_a_device_raises_on_every_rank(strategy: str) -> None:
+    """It moved the module first, which swapped the first wrapper's params for unmarked copies: nothing
+    was refused, and the init broadcast crashed inside torch."""
+    for refused, losses in run_distributed(wrapped_twice_with_a_device, 2, args=(strategy,)):
+        assert "ValueError: MegatronFSDP: param embedding.weight is held by a live MegatronFSDP" in refused
+        assert losses[1] < losses[0], losses
+
+
+def moved_after_wrapping() -> tuple[str, str]:
+    """What moving the wrapper raises, then what the next forward after moving the wrapped module
+    raises."""
+    model = wrap("optim_grads_params")
+    moved_wrapper = outcome(lambda: model.to(test_device()))
+    model.module.to(test_device())  # the same device: torch still swaps every param for a copy
+    return moved_wrapper, outcome(lambda: model(local_microbatches(0, dist.get_rank(), 2, 1)[0]))
+
+
+def test_moving_the_model_after_wrapping_raises_by_name() -> None:
+    """Both went through silently: the params lost their marks (no step guard, no step tracking, no
+    checkpoint chunks), and a move to another device left the optimizer stepping copies."""
+    for moved_wrapper, next_forward in run_distributed(moved_after_wrapping, 2):
+        assert "NotImplementedError: MegatronFSDP: moving or casting the model" in moved_wrapper
+        assert "before wrapping" in moved_wrapper
+        assert "RuntimeError: MegatronFSDP: param embedding.weight of the wrapped module is a copy" in (
+            next_forward
+        )
+
+
+def assert_as_saved(loaded: Any, saved: Any, where: str = "") -> None:
+    """``loaded`` holds what ``saved`` held: DTensors of the same class and placements (a RaggedDTensor's
+    true split too) with equal local shards, equal tensors, equal other values."""
+    if isinstance(saved, dict):
+        assert loaded.keys() == saved.keys(), where
+        for key in saved:
+            assert_as_saved(loaded[key], saved[key], f"{where}/{key}")
+    elif isinstance(saved, (list, tuple)):
+        assert len(loaded) == len(saved), where
+        for index, (got, want) in enumerate(zip(loaded, saved, strict=True)):
+            assert_as_saved(got, want, f"{where}/{index}")
+    elif isinstance(saved, DTensor):
+        assert type(loaded) is type(saved), (where, type(loaded))
+        assert loaded.placements == saved.placements, where
+        assert getattr(loaded, "ragged_placements", None) == getattr(saved, "ragged_placements", None), where
+        assert torch.equal(loaded.to_local(), saved.to_local()), where
+    elif isinstance(saved, torch.Tensor):
+        assert torch.equal(loaded, saved), where
+    else:
+        assert loaded == saved, where
+
+
 def saved_with_torch_save(strategy: str, directory: str) -> dict[str, torch.Tensor]:
     """Two steps, ``torch.save`` of both state dicts, then a fresh wrapper loads them (``torch.load``)
     and takes two more steps; what it ends with."""
@@ -257,9 +330,11 @@ def saved_with_torch_save(strategy: str, directory: str) -> dict[str, torch.Tens
     model, optimizer = build()
     train(model, optimizer, range(2))
     path = Path(directory) / f"rank{rank}.pt"
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    torch.save(state, path)
     model, optimizer = build()
-    saved = torch.load(path, weights_only=False)
+    saved = torch.load(path)  # torch's default: weights_only=True from torch 2.6
+    assert_as_saved(saved, state)
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
     train(model, optimizer, range(2, 4))
@@ -284,7 +359,8 @@ def uninterrupted(strategy: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_torch_save_of_both_state_dicts_resumes_exactly(strategy: str, tmp_path: Path) -> None:
     """It failed: a closure on the shards' checkpoint description (optim, ZeRO-3) and torch's DTensor
-    pickling of views into a flat buffer (no_shard)."""
+    pickling of views into a flat buffer (no_shard); then torch.load's default weights_only=True, which
+    refused gradsync's classes (every strategy but no_shard)."""
     want = run_distributed(uninterrupted, 2, args=(strategy,))[0]
     for rank, got in enumerate(run_distributed(saved_with_torch_save, 2, args=(strategy, str(tmp_path)))):
         assert all(torch.equal(got[k], want[k]) for k in want), rank
@@ -310,9 +386,11 @@ def torch_style_saved(directory: str) -> dict[str, torch.Tensor]:
     model, optimizer = build()
     train(model, optimizer, range(2))
     path = Path(directory) / f"rank{rank}.pt"
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    torch.save(state, path)
     model, optimizer = build()
-    saved = torch.load(path, weights_only=False)
+    saved = torch.load(path)
+    assert_as_saved(saved, state)
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
     resumed = train(model, optimizer, range(2, 4))

@@ -77,6 +77,11 @@ class _WriteItems:
         return [WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data)]
 
 
+# A described tensor carries these into torch.save's file; torch.load, whose default since torch 2.6 is
+# weights_only=True, rebuilds only the classes allowlisted here.
+torch.serialization.add_safe_globals([ChunkStorageMetadata, _ChunkList, _WriteItems])
+
+
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """One step with zero grads, learning rate and weight decay, then step counters back to 0: every
     param this rank holds gets its optimizer state, so that a checkpoint load has tensors to fill, and

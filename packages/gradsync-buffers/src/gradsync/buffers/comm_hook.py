@@ -11,7 +11,13 @@ group size (1 for the default 1/dp factor): the hook's average then equals grads
 A hook may chain collectives in its future's callbacks (PowerSGD all-reduces P, then Q), which issue them
 whenever the previous one completes. Every rank must issue collectives in the same order, so a bucket is
 handed to the hook only once the previous bucket's future has completed: the hooks' collectives never
-interleave, at the cost of overlapping one bucket's reduction at a time.
+interleave, at the cost of overlapping one bucket's reduction at a time. The last bucket of a cycle is
+waited as soon as it is handed over (in backward, with overlap), so once backward returns no hook's
+collective is still to be issued and a collective of the user's may follow at once.
+
+``buffer()`` and ``gradients()`` are in the grad buffer's dtype, which is fp32 where main grads are kept in
+fp32 (torch's hand over grads in the param dtype): the hook reduces what gradsync accumulated, with no cast
+on the way, and each grad is a view into the buffer as torch's are.
 """
 
 from __future__ import annotations
@@ -20,9 +26,27 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-CommHook = Callable[[Any, "HookBucket"], "torch.futures.Future[Any]"]
-"""``hook(state, bucket)``: a future of the bucket's reduced grads (a tensor, or a list of one)."""
+CommHook = Callable[[Any, Any], "torch.futures.Future[Any]"]
+"""``hook(state, bucket)``: a future of the bucket's reduced grads (a tensor, or a list of one). The
+bucket is a :class:`HookBucket`; typed loosely so torch's hooks, annotated ``dist.GradBucket``, fit."""
+
+
+def check_hook(owner: str, state: object, hook: object, group: dist.ProcessGroup) -> None:
+    """Refuse, at registration, a hook torch would refuse (not callable) and one that would reduce over
+    the wrong ranks: torch's hooks take a state (or, for ``allreduce_hook``, the state itself) whose
+    process group None means the whole world, which is not the data-parallel ``group`` under tensor,
+    pipeline or context parallelism."""
+    if not callable(hook):
+        raise TypeError(f"{owner}.register_comm_hook: the hook must be callable, got {type(hook).__name__}")
+    names_world = state is None or (hasattr(state, "process_group") and state.process_group is None)
+    if names_world and group.size() != dist.get_world_size():
+        raise ValueError(
+            f"{owner}.register_comm_hook: the hook's state names no process group, so it would reduce over "
+            f"all {dist.get_world_size()} ranks, but the data-parallel group holds {group.size()}; pass the "
+            "wrapper's data-parallel group in the state (process_group=...)"
+        )
 
 
 class HookBucket:
@@ -77,7 +101,7 @@ class HookWork:
         if isinstance(reduced, list):  # torch's collective futures hold a list of one tensor
             (reduced,) = reduced
         if reduced.data_ptr() != self.bucket.data_ptr():
-            self.bucket.copy_(reduced.view_as(self.bucket))
+            self.bucket.copy_(reduced.view_as(self.bucket))  # a cast copy's result is cast back
 
 
 class RegisteredHook:
@@ -97,6 +121,14 @@ class RegisteredHook:
             self._pending.future.wait()
         self._handed = (self._handed + 1) % self.count
         bucket.last = self._handed == 0
-        work = HookWork(self.hook(self.state, bucket), bucket.buffer())
+        # Taken before the hook runs: torch's ``*_compress_wrapper`` hooks swap in a cast copy with
+        # ``set_buffer`` and their future holds that copy, so the result must land in the bucket's own.
+        own_buffer = bucket.buffer()
+        work = HookWork(self.hook(self.state, bucket), own_buffer)
         self._pending = work
+        if bucket.last:
+            # A hook may chain collectives from its future's callbacks (PowerSGD), issued whenever the
+            # previous one completes: the cycle ends only once they have, as torch's backward waits for
+            # its hooks, so a collective of the user's after backward cannot interleave with them.
+            work.future.wait()
         return work

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .wire_format import is_wire_dtype, wire_dtype_names
+from .wire_format import wire_problem
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -213,10 +213,9 @@ def _validate_wire(c: DistributedDataParallelConfig, dtype_field: str, block_fie
     dtype, block = getattr(c, dtype_field), getattr(c, block_field)
     if dtype is None:
         return False
-    if not is_wire_dtype(dtype):
-        _fail(f"{dtype_field}={dtype} is not a wire dtype; use one of {wire_dtype_names()}")
-    if block <= 0:
-        _fail(f"{block_field} must be a positive number of elements, got {block}")
+    problem = wire_problem(dtype, block, dtype_field, block_field)
+    if problem is not None:
+        _fail(problem)
     return True
 
 

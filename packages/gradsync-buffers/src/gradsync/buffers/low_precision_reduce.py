@@ -9,7 +9,11 @@ packed again, so every replica holds the same values: one more rounding, of the 
 
 With error feedback, what the packing lost from this rank's contribution (the residual) is kept and added
 to the next reduction's grads, so the rounding errors do not pile up over steps: the contributions sent
-over T steps sum to the grads of those steps minus the last residual.
+over T steps sum to the grads of those steps minus the last residual. An all-reduce rounds a second time,
+when the owner of a summed piece packs it for the all-gather; the owner adds what that packing lost to its
+own residual for the piece (times the group size where the sum is averaged), so the next step's sum
+carries it. The grads applied over T steps then equal the true ones minus the last residuals' mean, on
+every path, however many steps run.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class LowPrecisionReduction:
             lo, hi = self.bounds[self.rank]
             received = hi - lo
         self.received_length = received
+        self.residual = residual
         if residual is not None:
             residual.copy_(contribution - self._unpack_sent())
         self.received = torch.empty(
@@ -124,6 +129,10 @@ class LowPrecisionReduction:
 
     def _gather_sums(self, label: str) -> Launched:
         mine = self.wire.pack_row(self.total[: self.chunk])
+        if self.residual is not None:
+            lo, hi = self.bounds[self.rank]
+            lost = self.total[: hi - lo] - self.wire.unpack_row(mine, self.chunk)[: hi - lo]
+            self.residual[lo:hi].add_(lost * self.world if self.average else lost)
         gathered = torch.empty(self.world * mine.numel(), dtype=torch.uint8, device=mine.device)
         gathered.view(self.world, -1)[self.rank] = mine
         launched = all_gather_shards(gathered, self.group, label=f"{label}.sums")

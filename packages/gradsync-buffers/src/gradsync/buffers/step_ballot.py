@@ -3,16 +3,19 @@ of the step, so that a rank that abandoned its step makes every rank raise, by n
 the others waiting for its grads or stepping on reductions it never joined.
 
 A rank abandons its step when its backward raised part-way and the exception was caught (the next
-``zero_grad_buffer()``, ``finish_grad_sync()`` or optimizer step finds the backward never ended), or when
-it syncs with no backward at all. It first completes the collectives its step left (the rest of its
-backward's gathers, every reduction, with the grads it has and zeros where none arrived), so that the
-others' collectives end, then votes ``abandoned`` and raises :class:`AbandonedStepError`; it refuses to
-sync or step again until ``zero_grad_buffer()``. The others vote at their ``finish_grad_sync()``, after
-their reductions; the count names the abandoning ranks, and they raise before any optimizer step can use
+``zero_grad_buffer()``, ``finish_grad_sync()`` or optimizer step finds the backward never ended), when
+it syncs with no backward at all, or when its training forward is followed by the next
+``zero_grad_buffer()`` with neither a backward nor a sync in between (a loss computation that raised).
+It first completes the collectives its step left (the rest of its backward's gathers, every reduction, with
+the grads it has and zeros where none arrived), so that the others' collectives end, then votes
+``abandoned`` and raises :class:`AbandonedStepError`; it refuses to sync or step again until
+``zero_grad_buffer()``. The others vote at their ``finish_grad_sync()``, after their reductions; the count
+names the abandoning ranks, and they raise before any optimizer step can use
 the grads.
 
-The votes travel on a gloo group of their own over the same ranks (one per set of ranks, built at its
-first vote, once per process and world): a CPU tensor, so the count is read with no device sync, and
+The votes travel on a gloo group of their own over the same ranks (one per set of ranks, built when the
+wrapper's construction ends, once per process and world: building it is a collective, which a rank that
+skips a step would leave the others waiting in): a CPU tensor, so the count is read with no device sync, and
 a group apart, so a vote never reorders the data collectives. One all-reduce of a vector of the group's
 size per step, posted before the reductions are waited for and counted after them.
 """
@@ -49,6 +52,14 @@ BACKWARD_RAISED = (
 )
 """Why a rank whose backward never ended abandons the step (``{call}``: what found it)."""
 
+FORWARD_WITHOUT_BACKWARD = (
+    "its forward ran in training mode with grad enabled, then zero_grad_buffer() came with no backward and "
+    "no finish_grad_sync() in between (an exception caught between forward and backward, say), so its "
+    "collectives would pair with the other ranks' previous step. A forward that needs no backward belongs "
+    "under torch.no_grad() or model.eval()"
+)
+"""Why a rank whose training forward was followed by neither backward nor sync abandons the step."""
+
 
 class AbandonedStepError(RuntimeError):
     """A data-parallel rank abandoned the step: raised on that rank (with its reason) and on every other
@@ -73,9 +84,9 @@ def _vote_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
 
 
 class StepBallot:
-    """The votes of one wrapper over its data-parallel ``groups`` (groups of one rank need none). The vote
-    groups are built at the first vote, which every rank of a group reaches (at construction, a rank
-    whose checks raised would leave the others waiting in the build)."""
+    """The votes of one wrapper over its data-parallel ``groups`` (groups of one rank need none). The
+    wrapper calls :meth:`prepare` once its construction's checks have passed on every rank (one that
+    raised earlier would leave the others waiting in the build)."""
 
     def __init__(self, groups: Sequence[dist.ProcessGroup], who: str, enabled: bool = True) -> None:
         """``enabled`` False (``check_abandoned_steps=False``): no votes; a rank that abandons its step
@@ -87,11 +98,16 @@ class StepBallot:
         self.who = who
         self.abandoned = False  # this rank abandoned the step; zero_grad_buffer() clears it
 
+    def prepare(self) -> None:
+        """Build the vote groups (a collective over each data-parallel group), so that no step has to."""
+        if self._groups is None:
+            self._groups = [(group, _vote_group(group)) for group in self.data_groups]
+
     @property
     def groups(self) -> list[tuple[dist.ProcessGroup, dist.ProcessGroup]]:
         """(data-parallel group, its vote group) pairs."""
-        if self._groups is None:
-            self._groups = [(group, _vote_group(group)) for group in self.data_groups]
+        self.prepare()
+        assert self._groups is not None
         return self._groups
 
     def post(self) -> Callable[[], None]:

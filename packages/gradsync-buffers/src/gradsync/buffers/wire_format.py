@@ -33,6 +33,16 @@ def wire_dtype_names() -> str:
     return ", ".join(f"torch.{name}" for name in ("bfloat16", "float16", *_FP8_NAMES))
 
 
+def wire_problem(dtype: object, block_size: object, dtype_name: str, block_name: str) -> str | None:
+    """What is wrong with a wire of ``dtype`` and fp8 ``block_size`` (named as the caller's arguments), or
+    None: checked where the wire is set up, since packing would fail only inside the first reduction."""
+    if not isinstance(dtype, torch.dtype) or not is_wire_dtype(dtype):
+        return f"{dtype_name}={dtype} is not a wire dtype; use one of {wire_dtype_names()}"
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        return f"{block_name} must be a positive number of elements, got {block_size!r}"
+    return None
+
+
 @dataclass(frozen=True)
 class WireFormat:
     """How a row of values is packed for the wire, and unpacked into fp32 on arrival."""

@@ -24,12 +24,13 @@ from torch import nn
 from gradsync.buffers import ensure_params_ready
 from gradsync.buffers.collectives import Launched
 from gradsync.buffers.low_precision_reduce import GradCommWire, reduce_bucket
-from gradsync.buffers.wire_format import WireFormat, is_wire_dtype, wire_dtype_names
+from gradsync.buffers.wire_format import WireFormat, wire_problem
 
 
 class DiLoCo:
     """Steps ``inner_optimizer`` every call, and every ``sync_every`` calls averages the replicas' moves
-    over ``group`` (the default group when None) and applies the outer step.
+    over ``group`` (the default group when None) and applies the outer step. Construction broadcasts the
+    group's first rank's weights (a collective), so the replicas start from one point.
 
     ``wire_dtype``: send the pseudo-gradients in bf16, fp16 or fp8 (blocks of ``wire_block_size`` values
     with one fp32 scale), summed in fp32 as ``grad_comm_dtype`` does; None sends fp32."""
@@ -49,10 +50,13 @@ class DiLoCo:
     ) -> None:
         if sync_every < 1:
             raise ValueError(f"DiLoCo: sync_every must be at least 1 step, got {sync_every}")
-        if wire_dtype is not None and not is_wire_dtype(wire_dtype):
-            raise ValueError(
-                f"DiLoCo: wire_dtype={wire_dtype} is not a wire dtype; use one of {wire_dtype_names()}"
-            )
+        problem = (
+            None
+            if wire_dtype is None
+            else wire_problem(wire_dtype, wire_block_size, "wire_dtype", "wire_block_size")
+        )
+        if problem is not None:
+            raise ValueError(f"DiLoCo: {problem}")
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("DiLoCo: no trainable params given")
@@ -69,6 +73,7 @@ class DiLoCo:
         )
         with torch.no_grad():
             ensure_params_ready(self.params)
+            self._take_first_replicas_weights()
             self.synced = [nn.Parameter(p.detach().float().clone()) for p in self.params]
         self.outer_optimizer = torch.optim.SGD(
             self.synced, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
@@ -77,6 +82,22 @@ class DiLoCo:
         self.communicated_bytes = 0
         """Bytes this rank has put on the wire in its syncs: the all-reduce's payload, or the low-precision
         wire's packed all-to-all (as the wrappers count their reductions)."""
+
+    def _take_first_replicas_weights(self) -> None:
+        """Every replica starts from the group's first rank's weights, as torch DDP's replicas do: the
+        outer step moves the synced weights by the averaged moves, so replicas that started apart would
+        stay apart by their first difference after every sync."""
+        flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self._set_weights(torch.split(flat, [p.numel() for p in self.params]))
+
+    def _set_weights(self, values: Iterable[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for param, value in zip(self.params, values, strict=True):
+                param.copy_(value.view_as(param))
+        reload = getattr(self.inner_optimizer, "reload_model_params", None)
+        if reload is not None:  # gradsync's DistributedOptimizer: its fp32 main params follow the weights
+            reload()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
@@ -101,12 +122,7 @@ class DiLoCo:
             for synced, move in zip(self.synced, torch.split(moves, sizes), strict=True):
                 synced.grad = move.view_as(synced)
         self.outer_optimizer.step()
-        with torch.no_grad():
-            for synced, param in zip(self.synced, self.params, strict=True):
-                param.copy_(synced)
-        reload = getattr(self.inner_optimizer, "reload_model_params", None)
-        if reload is not None:  # gradsync's DistributedOptimizer: its fp32 main params follow the weights
-            reload()
+        self._set_weights(self.synced)
 
     def _average(self, moves: torch.Tensor) -> Launched:
         launched, sent = reduce_bucket(

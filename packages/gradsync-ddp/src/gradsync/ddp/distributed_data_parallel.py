@@ -32,14 +32,14 @@ from gradsync.buffers import (
     settings_of,
 )
 from gradsync.buffers.bucket_group import ParamAndGradBucketGroup
-from gradsync.buffers.comm_hook import CommHook, RegisteredHook
+from gradsync.buffers.comm_hook import CommHook, RegisteredHook, check_hook
 from gradsync.buffers.shard_alignment import (
     ShardAlignmentSpec,
     ShardBalance,
     set_shard_alignments,
     shard_alignment_of,
 )
-from gradsync.buffers.step_ballot import BACKWARD_RAISED, StepBallot
+from gradsync.buffers.step_ballot import BACKWARD_RAISED, FORWARD_WITHOUT_BACKWARD, StepBallot
 from gradsync.buffers.wrapper_claims import (
     claim,
     first_owned_elsewhere,
@@ -235,6 +235,7 @@ class DistributedDataParallel(_BaseDataParallel):
         self._grads_pending = False  # a backward ran since the last finish_grad_sync / zero_grad_buffer
         self._backward_this_cycle = True  # a backward ran since zero_grad_buffer (none called yet: unknown)
         self._in_backward = False  # a backward delivered grads and has not ended (it raised, if it never)
+        self._forward_unsynced = False  # a training forward ran since the last sync or zero_grad_buffer
         expert_dp = [self.pg_collection.expt_dp] if self.expert_parallel_bucket_groups else []
         self._ballot = StepBallot(
             [dp_cp, *expert_dp],  # type: ignore[list-item]
@@ -243,6 +244,7 @@ class DistributedDataParallel(_BaseDataParallel):
         )
         claim((p for _, p in named), self)
         guard_optimizer_steps()
+        self._ballot.prepare()  # every check passed on every rank: no step has to build the vote groups
 
     # --- hooks -----------------------------------------------------------------------------------
 
@@ -386,12 +388,22 @@ class DistributedDataParallel(_BaseDataParallel):
                 "DistributedDataParallel.register_comm_hook: expert params reduce over the expert "
                 "data-parallel group, which a hook's state does not name; not supported with experts"
             )
+        dp_cp = self.pg_collection.dp_cp
+        assert dp_cp is not None  # resolve_process_groups set it
+        check_hook("DistributedDataParallel", state, hook, dp_cp)
         if any(group.comm_hook is not None for group in groups):
             raise RuntimeError("DistributedDataParallel.register_comm_hook can only be called once")
         registered, offset = RegisteredHook(state, hook, sum(len(group.buckets) for group in groups)), 0
         for group in groups:
             group.comm_hook, group.hook_bucket_offset = registered, offset
             offset += len(group.buckets)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The module's forward; a training one (grad enabled) is noted, so that a rank whose step ends
+        before its backward (the loss raised) abandons it at the next ``zero_grad_buffer()``."""
+        if self.training and torch.is_grad_enabled():
+            self._forward_unsynced = True
+        return self.module(*inputs, **kwargs)
 
     def start_grad_sync(self, *unused: Any) -> None:
         """Launch every bucket group's reduction now (async with overlap_grad_reduce)."""
@@ -402,6 +414,7 @@ class DistributedDataParallel(_BaseDataParallel):
         grad, so any torch.optim optimizer can step: a view of ``main_grad`` when dtypes match, else a copy
         in the param dtype that :meth:`scale_gradients` (and finalize_model_grads' reductions) keep equal
         to ``main_grad``."""
+        self._forward_unsynced = False
         self._ballot.refuse_abandoned("finish_grad_sync()", self._in_backward, self._abandon)
         skipped = skipped_backward(self._backward_this_cycle, self._grad_buffers)
         if skipped is not None:
@@ -432,6 +445,9 @@ class DistributedDataParallel(_BaseDataParallel):
         """
         if self._in_backward:
             self._abandon(BACKWARD_RAISED.format(call="zero_grad_buffer()"))
+        if self._forward_unsynced and not self._backward_this_cycle:
+            self._abandon(FORWARD_WITHOUT_BACKWARD)
+        self._forward_unsynced = False
         for param in self.params_with_grad:
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
             param.grad = None
@@ -455,7 +471,7 @@ class DistributedDataParallel(_BaseDataParallel):
 
     def _abandon(self, reason: str) -> NoReturn:
         """Complete this step's reductions for the other ranks, then raise on every rank."""
-        self._in_backward = self._grads_pending = False
+        self._in_backward = self._grads_pending = self._forward_unsynced = False
         self._ballot.abandon(self._complete_step_reductions, reason)
 
     def _complete_step_reductions(self) -> None:

@@ -201,6 +201,8 @@ class FlatParamBucket:
         self.comm_hook: RegisteredHook | None = None  # MegatronFSDP.register_comm_hook's
         self.hook_index = 0  # this bucket's index as the hook sees it
         self.status = BucketStatus.READY_TO_USE
+        if packed_in_place:  # the first forward computes with the packed weights too, as every later one
+            self.mark_replicas_stale()
         self.stats = CommStats()  # this step's collectives (bytes, spans), as gradsync-ddp's bucket groups
         self._gather: Launched | None = None
         self.gather_together: Callable[[], bool] | None = None  # a coalesced group's (ZeRO-1/2)

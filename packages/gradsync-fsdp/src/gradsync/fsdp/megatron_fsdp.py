@@ -36,11 +36,16 @@ from gradsync.buffers import (
     settings_of,
     telemetry,
 )
-from gradsync.buffers.comm_hook import CommHook, RegisteredHook
+from gradsync.buffers.comm_hook import CommHook, RegisteredHook, check_hook
 from gradsync.buffers.grad_checks import LocalGradNorms, non_finite_ranks
 from gradsync.buffers.low_precision_reduce import GradCommWire
 from gradsync.buffers.shard_alignment import ShardAlignmentSpec, ShardBalance, set_shard_alignments
-from gradsync.buffers.step_ballot import BACKWARD_RAISED, AbandonedStepError, StepBallot
+from gradsync.buffers.step_ballot import (
+    BACKWARD_RAISED,
+    FORWARD_WITHOUT_BACKWARD,
+    AbandonedStepError,
+    StepBallot,
+)
 from gradsync.buffers.wire_format import WireFormat
 from gradsync.buffers.wrapper_claims import (
     claim,
@@ -156,9 +161,12 @@ class MegatronFSDP(nn.Module):
         data-parallel rank wraps the same params with the same config, strategy, units, mixed precision
         and arguments; a difference raises on every rank, naming it. ``init_sync`` (gradsync's addition,
         as torch's DDP): every replica starts from the first data-parallel rank's weights, broadcast
-        before sharding (not for a meta-device model, which each rank initialises from the seed it is
-        given, nor for expert params); False keeps the reference's behaviour (call
-        :meth:`broadcast_params` yourself)."""
+        before sharding (expert params excepted); False keeps the reference's behaviour (call
+        :meth:`broadcast_params` yourself). A meta-device model is materialised by each rank from the seed
+        it is given, into the rows it keeps: ZeRO-3 keeps each row on one rank, so its ranks hold one model
+        whatever their seeds, but no_shard, ZeRO-1/2's compute weights and HSDP's outer replicas keep
+        copies, which would start (no_shard and HSDP: stay) apart; there :meth:`broadcast_params` then
+        gives every rank the first data-parallel rank's model, as the broadcast above does."""
         super().__init__()
         if enable_fine_grained_param_gather_hook or enable_fine_grained_param_gather_backward_hook:
             raise NotImplementedError(
@@ -197,7 +205,10 @@ class MegatronFSDP(nn.Module):
         self.outer = outer_replication(ddp_config, dist_index, self.sharding)
         meta = replace_meta_params(module, self.device) if init_model_with_meta_device else None
         unset = meta.placeholders if meta is not None else set()
-        if device is not None:
+        # Looked for before the move: module.to() swaps a live wrapper's DTensor params for unmarked
+        # copies. A module held elsewhere is not moved; it is refused below, once every rank agrees.
+        owned_elsewhere = first_owned_elsewhere(list(module.named_parameters()), self)
+        if device is not None and owned_elsewhere is None:
             module.to(device)
         self.module = module
         self.calculate_per_token_loss = calculate_per_token_loss
@@ -207,7 +218,6 @@ class MegatronFSDP(nn.Module):
         named = list(module.named_parameters())
         set_shard_alignments(named, shard_alignment)
         self.fsdp_unit_modules = resolve_unit_classes(fsdp_unit_modules)
-        owned_elsewhere = first_owned_elsewhere(named, self)
         settings = settings_of(
             ddp_config,
             mixed_precision_policy=self.mp_policy,
@@ -327,7 +337,9 @@ class MegatronFSDP(nn.Module):
         watch_state_splits()
         adopt_hand_built_optimizers()
         self._registry = ParamRegistry(module, self.sharded_param_of)
+        self._probe = next(((n, self.sharded_param_of[p]) for n, p in named), None)  # _refuse_converted
         self._forwards_awaiting_backward = 0
+        self._forward_unsynced = False  # a training forward ran since the last sync or zero_grad_buffer
         for meta_param, placeholder in (meta.params if meta is not None else {}).items():
             self.sharded_param_of[meta_param] = self.sharded_param_of[placeholder]  # fully_shard's optimizer
         dense_factor, _ = gradient_scaling_factors(  # the rule gradsync-ddp follows too
@@ -381,6 +393,9 @@ class MegatronFSDP(nn.Module):
         set_state(self._all_modules, TrainingState.IDLE)
         self._register_hooks()
         self._replace_param_with_distributed_if_needed()
+        if meta is not None and init_sync and (not self.sharding.shard_params or self.outer is not None):
+            self.broadcast_params()  # replicas materialised apart (see init_sync above)
+        self._ballot.prepare()  # every check passed on every rank: no step has to build the vote groups
 
     @property
     def suggested_AG_prefetch_size(self) -> int:
@@ -506,6 +521,31 @@ class MegatronFSDP(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         return self.module(*inputs, **kwargs)  # the root hooks install, show the compute params, gather
 
+    def _apply(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused (``to()``, ``cuda()``, ``float()``, ``to_empty()``, ... all come here): torch would put
+        a copy in place of each param, which the wrapper never reads or steps."""
+        raise NotImplementedError(
+            "MegatronFSDP: moving or casting the model (to(), cuda(), cpu(), float(), half(), to_empty(), "
+            "...) after wrapping is not supported: its params are views of the wrapper's flat buffers, and "
+            "torch would put copies the wrapper never reads or steps in their place (a move to the device "
+            "they are on still strips the wrapper's marks from them). Move or cast the module before "
+            "wrapping, or pass device= (for dtypes, mixed_precision_policy)"
+        )
+
+    def _refuse_converted(self) -> None:
+        """Raise when a move or cast of the wrapped module itself (``module.to()``, ...) swapped the
+        optimizer's params it holds between steps for copies: those lose the marks that step tracking and
+        the step guard read, and a move to another device leaves the optimizer stepping copies. One param
+        is looked at per forward, so a conversion of a submodule that does not hold it goes unseen, and so
+        does one during a step (the module then holds the compute params, which keep their marks)."""
+        if self._probe is not None and getattr(self._probe[1], OWNER, None) is not self:
+            raise RuntimeError(
+                f"MegatronFSDP: param {self._probe[0]} of the wrapped module is a copy the wrapper does not "
+                "hold: the module was moved or cast after wrapping (module.to(), cuda(), float(), "
+                "to_empty(), ...), which swaps each param for one the wrapper never reads or steps. Move "
+                "or cast the module before wrapping (device=, mixed_precision_policy), and wrap it again"
+            )
+
     def _replace_param_with_raw_if_needed(self) -> None:
         """The wrapped modules hold the compute params (from the root forward to the end of backward)."""
         self._registry.show_compute()
@@ -538,6 +578,7 @@ class MegatronFSDP(nn.Module):
 
     @labelled("root_pre_forward")
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._refuse_converted()  # every rank converted alike: each raises before any collective
         self._install_if_stepped()
         self._replace_param_with_raw_if_needed()
         if self.sharding.name == "no_shard":
@@ -551,6 +592,7 @@ class MegatronFSDP(nn.Module):
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled():
             self._forwards_awaiting_backward += 1
+            self._forward_unsynced = self._forward_unsynced or self.training
             on_first_output_grad(output, self._root_pre_backward)
             return
         if self.sharding.shard_params:  # no backward follows: drop what the forward gathered
@@ -744,6 +786,7 @@ class MegatronFSDP(nn.Module):
         reductions on the attached grads)."""
         if self._grads_finished:
             return
+        self._forward_unsynced = False
         self._ballot.refuse_abandoned("finish_grad_sync()", self._in_backward, self._abandon)
         skipped = skipped_backward(self._backward_this_cycle, self._grad_buffers)
         if skipped is not None:
@@ -801,6 +844,9 @@ class MegatronFSDP(nn.Module):
         backward that raised part-way abandons the step here (see :mod:`gradsync.buffers.step_ballot`)."""
         if self._in_backward:
             self._abandon(BACKWARD_RAISED.format(call="zero_grad_buffer()"))
+        if self._forward_unsynced and not self._backward_this_cycle:
+            self._abandon(FORWARD_WITHOUT_BACKWARD)
+        self._forward_unsynced = False
         self._reductions.new_cycle()
         self._forwards_awaiting_backward = 0  # the cycle is over: a forward never backpropagated is dropped
         self._replace_param_with_distributed_if_needed()
@@ -839,7 +885,7 @@ class MegatronFSDP(nn.Module):
         rank that ran no forward either cannot: the others wait in the forward's gathers, which it would
         not issue in their order; it raises alone, and they wait for the hang watchdog or the timeout."""
         no_forward = not (self._in_backward or self._backward_this_cycle or self._forwards_awaiting_backward)
-        self._grads_pending = False
+        self._grads_pending = self._forward_unsynced = False
         if self.sharding.shard_params and no_forward:
             self._ballot.abandoned = True
             raise AbandonedStepError(f"MegatronFSDP: rank {dist.get_rank()} abandoned this step: {reason}")
@@ -930,6 +976,7 @@ class MegatronFSDP(nn.Module):
                 "MegatronFSDP.register_comm_hook: HSDP reduces in two stages over two groups, and a hook "
                 "reduces over one; not supported with an outer data-parallel group"
             )
+        check_hook("MegatronFSDP", state, hook, self.dist_index.get_fsdp_group())
         reducing = [bucket for bucket in self.buckets if bucket.grad is not None]
         if any(bucket.comm_hook is not None for bucket in reducing):
             raise RuntimeError("MegatronFSDP.register_comm_hook can only be called once")

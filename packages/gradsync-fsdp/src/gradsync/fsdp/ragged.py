@@ -529,3 +529,8 @@ def _follow_split(result: Any, sources: list[Any]) -> Any:
     if len(splits) != 1:
         return result
     return RaggedDTensor._of(result._local_tensor, result._spec, splits.pop(), result.requires_grad)
+
+
+# gradsync's params, grads and optimizer state are RaggedDTensors placed with RaggedShard; torch.load, whose
+# default since torch 2.6 is weights_only=True, rebuilds only the classes allowlisted here.
+torch.serialization.add_safe_globals([RaggedDTensor, RaggedShard])

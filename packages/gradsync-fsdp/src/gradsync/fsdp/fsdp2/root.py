@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.buffers import DistributedDataParallelConfig, check_params_match_across_ranks
 from gradsync.groups import FSDPDistributedIndex
 
 from ..megatron_fsdp import MegatronFSDP
@@ -109,6 +109,11 @@ def _megatron_fsdp(
             "inside: pass reshard_after_forward=True to at least one unit"
         )
     device = _device(call.mesh, managed)
+    index = _index(call, device)
+    # In the caller's terms, before MegatronFSDP checks what they became (its strategy, its precision)
+    check_params_match_across_ranks(
+        managed, index.get_dp_group(), who="fully_shard", settings=_arguments(call, units)
+    )
     precision, originals = _cast_for_compute(call.mp_policy, managed)
     config = DistributedDataParallelConfig(
         use_megatron_fsdp=True,
@@ -121,7 +126,7 @@ def _megatron_fsdp(
         with _params_hidden(module, ignored):
             fsdp = MegatronFSDP(
                 module,
-                _index(call, device),
+                index,
                 config,
                 mixed_precision_policy=precision,
                 fsdp_unit_modules=[_module.FSDPModule] if units else None,
@@ -142,6 +147,20 @@ def _megatron_fsdp(
             i for i, unit in enumerate(fsdp.units) if _state(unit).call.reshard_after_forward is False
         }
     return fsdp
+
+
+def _arguments(call: _Call, units: list[_module.FSDPModule]) -> dict[str, object]:
+    """The root call's arguments every rank must have given alike, and each unit's
+    ``reshard_after_forward``, as the caller named them."""
+    return {
+        "mp_policy": call.mp_policy,
+        "outer_dp_sharding_strategy": call.outer_dp_sharding_strategy,
+        "shard_alignment": call.shard_alignment,
+        "reshard_after_forward": (
+            call.reshard_after_forward,
+            *(_state(u).call.reshard_after_forward for u in units),
+        ),
+    }
 
 
 def _strategy(call: _Call, unit_calls: list[_Call]) -> str:

@@ -37,8 +37,10 @@ def step_abandoned_on_rank_one(
     next_call: Callable[[], None],
 ) -> RuntimeError | None:
     """One step that rank 1 abandons, ``how``: ``"raised"`` (its backward raises at ``fault_at``'s output,
-    the loop catches it and goes on with ``next_call``) or ``"no_backward"`` (it syncs without one). Every
-    other rank runs forward, backward and ``sync``. Returns what the step raised on this rank."""
+    the loop catches it and goes on with ``next_call``), ``"loss_raised"`` (the loss raises after the
+    forward, before any backward; the loop goes on with ``next_call``) or ``"no_backward"`` (it syncs
+    without one). Every other rank runs forward, backward and ``sync``. Returns what the step raised on
+    this rank."""
     skipping = dist.get_rank() == 1
     armed = raise_in_backward(fault_at) if skipping and how == "raised" else None
     loss = forward()
@@ -46,6 +48,8 @@ def step_abandoned_on_rank_one(
         armed.remove()
     try:
         try:
+            if skipping and how == "loss_raised":
+                raise InjectedFault("the loss computation raised after the forward")
             if not skipping or how == "raised":
                 loss.backward()  # type: ignore[no-untyped-call]
             sync()
