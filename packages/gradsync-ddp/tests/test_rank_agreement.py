@@ -28,6 +28,7 @@ from ddp_testkit import (
 
 from gradsync.buffers import DistributedDataParallelConfig
 from gradsync.buffers.step_ballot import is_vote_group
+from gradsync.buffers.testing import ABANDONED_BY_RANK_ONE
 from gradsync.ddp import DistributedDataParallel, DistributedOptimizer
 from gradsync.groups import ModelParallelConfig
 from gradsync.groups.testing import run_distributed, step_abandoned_on_rank_one
@@ -200,13 +201,7 @@ def test_a_rank_that_abandons_its_step_makes_every_rank_raise_and_leaves_no_trac
     )
     who = "AbandonedStepError: DistributedDataParallel"
     assert waited.startswith(f"{who}: rank(s) [1] of the data-parallel group abandoned this step"), waited
-    reason = {
-        "raised": "its backward raised part-way (an exception caught around loss.backward()) and "
-        "zero_grad_buffer()",
-        "loss_raised": "its forward ran in training mode with grad enabled, then zero_grad_buffer() came "
-        "with no backward",
-        "no_backward": "finish_grad_sync() on rank 1 with no backward since zero_grad_buffer()",
-    }[skip]
+    reason = ABANDONED_BY_RANK_ONE[skip]
     assert abandoned.startswith(f"{who}: rank 1 abandoned this step: {reason}"), abandoned
     want = reference_training("sgd", 2, 1, 3)
     for got in (params0, params1):

@@ -32,6 +32,7 @@ from fsdp_testkit import (
 from torch.distributed.tensor import DTensor
 
 from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.buffers.testing import ABANDONED_BY_RANK_ONE
 from gradsync.fsdp import MegatronFSDP, fully_shard, fully_shard_model
 from gradsync.fsdp import fsdp2 as torch_style
 from gradsync.groups.testing import run_distributed, step_abandoned_on_rank_one, test_device
@@ -191,13 +192,7 @@ def test_under_hsdp_every_replica_raises() -> None:
 
 
 def check_every_rank_raised(runs: list[tuple[str, dict[str, torch.Tensor]]], skip: str) -> None:
-    reason = {
-        "raised": "its backward raised part-way (an exception caught around loss.backward()) and "
-        "zero_grad_buffer()",
-        "loss_raised": "its forward ran in training mode with grad enabled, then zero_grad_buffer() came "
-        "with no backward",
-        "no_backward": "finish_grad_sync() on rank 1 with no backward since zero_grad_buffer()",
-    }[skip]
+    reason = ABANDONED_BY_RANK_ONE[skip]
     want = cached_reference(len(runs), 1, 3)
     for rank, (message, weights) in enumerate(runs):
         if rank == 1:

@@ -15,6 +15,17 @@ import torch.distributed as dist
 from . import collectives
 from .step_ballot import is_vote_group
 
+ABANDONED_BY_RANK_ONE = {
+    "raised": "its backward raised part-way (an exception caught around loss.backward()) and "
+    "zero_grad_buffer()",
+    "loss_raised": "its forward ran in training mode with grad enabled, then zero_grad_buffer() came "
+    "with no backward",
+    "no_backward": "finish_grad_sync() on rank 1 with no backward since zero_grad_buffer()",
+}
+"""How each wrapper's message on rank 1 starts its reason, for each way
+``gradsync.groups.testing.step_abandoned_on_rank_one`` abandons a step (written out, not taken from the
+messages' constants, so a test reads what the user reads)."""
+
 
 @dataclass(frozen=True)
 class IssuedCollective:
