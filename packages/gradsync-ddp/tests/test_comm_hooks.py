@@ -236,6 +236,8 @@ def lowp_hook_on_torch_ddp(matrices_a_bucket: int | None) -> tuple[float, float,
         return low_precision_hook(state, bucket)
 
     ddp.register_comm_hook(state, recording)
+    # torch accepts the hook itself (it refuses any bucket annotation but dist.GradBucket)
+    nn.parallel.DistributedDataParallel(copy.deepcopy(plain)).register_comm_hook(state, low_precision_hook)
     applied = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
     exact = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
     for step in range(8):

@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from gradsync.buffers.matrix_optim import BlockShampoo, Muon, muon_param_groups
+from gradsync.buffers.testing import ABANDONED_BY_RANK_ONE
 from gradsync.fsdp import MixedPrecisionPolicy as GradsyncPrecision
 from gradsync.fsdp import uneven_dtensor_to_full_tensor
 from gradsync.fsdp.fsdp2 import (
@@ -50,7 +51,7 @@ from gradsync.fsdp.fsdp2 import (
     fully_shard,
     megatron_fsdp_of,
 )
-from gradsync.groups.testing import run_distributed, test_device
+from gradsync.groups.testing import run_distributed, step_abandoned_on_rank_one, test_device
 
 STEPS, MICRO = 4, 2
 GRADSYNC, TORCH = "gradsync.fsdp.fsdp2", "torch.distributed.fsdp"
@@ -705,3 +706,44 @@ def compiled_loop(where: str) -> dict[str, torch.Tensor]:
 def test_torch_compile_trains_like_one_process(where: str) -> None:
     for rank, weights in enumerate(run_distributed(compiled_loop, 2, args=(where,))):
         assert max_relative_difference(weights, cached_reference(2, MICRO, STEPS)) <= 1e-6, rank
+
+
+def abandoned_then_retried(skip: str) -> tuple[str, dict[str, torch.Tensor]]:
+    """A torch-style loop (no zero_grad_buffer(): the next forward starts each step); step 1 abandoned on
+    rank 1 (its backward or its loss raised, the loop catches it and goes on with the next batch's
+    forward); every rank catches what it raised, zeroes the grads and takes step 1 again, then step 2."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = TinyTransformer()
+    two_units(model)
+    fully_shard(model)
+    optimizer = make_optimizer(model.parameters())
+
+    def step(index: int) -> None:
+        model(local_microbatches(index, rank, world, 1)[0]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(0)
+    batch = local_microbatches(1, rank, world, 1)[0]
+    raised = step_abandoned_on_rank_one(
+        skip, model.blocks[0], lambda: model(batch), lambda: None, lambda: model(batch)
+    )
+    optimizer.zero_grad()
+    step(1)
+    step(2)
+    return f"{type(raised).__name__}: {raised}", whole_weights(model)
+
+
+@pytest.mark.parametrize("skip", ["raised", "loss_raised"])
+def test_an_abandoned_step_makes_every_rank_raise_and_leaves_no_trace(skip: str) -> None:
+    """The next forward settles a step whose backward or loss raised, as zero_grad_buffer() does for
+    MegatronFSDP's loops: every rank raises by name, and retried, training matches one process."""
+    runs = run_distributed(abandoned_then_retried, 2, args=(skip,), timeout=90)
+    who = "AbandonedStepError: MegatronFSDP"
+    (waited, first), (abandoned, second) = runs
+    assert waited.startswith(f"{who}: rank(s) [1] of the data-parallel group abandoned this step"), waited
+    assert abandoned.startswith(f"{who}: rank 1 abandoned this step: {ABANDONED_BY_RANK_ONE[skip]}"), (
+        abandoned
+    )
+    for weights in (first, second):
+        assert max_relative_difference(weights, cached_reference(2, 1, 3)) <= 1e-6

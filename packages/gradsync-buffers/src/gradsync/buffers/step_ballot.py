@@ -97,6 +97,7 @@ class StepBallot:
         self._groups: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] | None = None
         self.who = who
         self.abandoned = False  # this rank abandoned the step; zero_grad_buffer() clears it
+        self.others_abandoned = False  # the count named other ranks; zero_grad_buffer() clears it
 
     def prepare(self) -> None:
         """Build the vote groups (a collective over each data-parallel group), so that no step has to."""
@@ -120,6 +121,7 @@ class StepBallot:
                 work.wait()
                 abandoned = [dist.get_global_rank(group, i) for i in tally.nonzero().flatten().tolist()]
                 if abandoned:
+                    self.others_abandoned = True
                     raise AbandonedStepError(
                         f"{self.who}: rank(s) {abandoned} of the data-parallel group abandoned this step "
                         f"(each raised its reason), so the grads reduced on rank {dist.get_rank()} lack "

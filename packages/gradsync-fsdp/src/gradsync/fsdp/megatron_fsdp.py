@@ -579,6 +579,8 @@ class MegatronFSDP(nn.Module):
     @labelled("root_pre_forward")
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         self._refuse_converted()  # every rank converted alike: each raises before any collective
+        if self.training and torch.is_grad_enabled():  # noted first: a forward that raises counts too
+            self._forward_unsynced = True
         self._install_if_stepped()
         self._replace_param_with_raw_if_needed()
         if self.sharding.name == "no_shard":
@@ -592,7 +594,6 @@ class MegatronFSDP(nn.Module):
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled():
             self._forwards_awaiting_backward += 1
-            self._forward_unsynced = self._forward_unsynced or self.training
             on_first_output_grad(output, self._root_pre_backward)
             return
         if self.sharding.shard_params:  # no backward follows: drop what the forward gathered
@@ -848,7 +849,7 @@ class MegatronFSDP(nn.Module):
             self._abandon(FORWARD_WITHOUT_BACKWARD)
         self._forward_unsynced = False
         self._reductions.new_cycle()
-        self._forwards_awaiting_backward = 0  # the cycle is over: a forward never backpropagated is dropped
+        self._forwards_awaiting_backward = 0  # the cycle is over (a training forward alone abandoned it)
         self._replace_param_with_distributed_if_needed()
         for bucket in self.buckets:
             bucket.zero_grad()
@@ -862,12 +863,22 @@ class MegatronFSDP(nn.Module):
                 param.grad = None
         self._grads_finished = False
         self._grads_pending = self._backward_this_cycle = self._ballot.abandoned = False
+        self._ballot.others_abandoned = False
         for bucket in self.buckets:
             bucket.stats.reset()
         telemetry.next_step()
 
     def _grad_buffers(self) -> Iterator[torch.Tensor]:
         return (bucket.grad for bucket in self.buckets if bucket.grad is not None)
+
+    @property
+    def step_left_broken(self) -> bool:
+        """Whether this rank's step went wrong in a way only the next ``zero_grad_buffer()`` settles: a
+        backward that raised part-way, a training forward with no backward (both abandon the step
+        there), or a step abandoned here or on another rank (the buffers hold its partial grads). Loops
+        that call no ``zero_grad_buffer()`` (the FSDP2-style API) ask this at the next forward."""
+        abandoned = self._ballot.abandoned or self._ballot.others_abandoned
+        return self._in_backward or abandoned or (self._forward_unsynced and not self._backward_this_cycle)
 
     def refuse_unsynced_step(self) -> None:
         """Raise before an optimizer step that would apply wrong grads (run by a global step pre-hook)."""

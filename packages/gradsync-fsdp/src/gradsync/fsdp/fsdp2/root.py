@@ -102,18 +102,19 @@ def _megatron_fsdp(
     module: nn.Module, call: _Call, units: list[_module.FSDPModule], ignored: frozenset[nn.Parameter]
 ) -> MegatronFSDP:
     managed = [(n, p) for n, p in module.named_parameters() if p not in ignored]
+    device = _device(call.mesh, managed)
+    index = _index(call, device)
+    # In the caller's terms, before MegatronFSDP checks what they became (its strategy, its precision),
+    # and before any refusal that depends on them (a rank raising alone would leave the others here)
+    check_params_match_across_ranks(
+        managed, index.get_dp_group(), who="fully_shard", settings=_arguments(call, units)
+    )
     strategy = _strategy(call, [_state(u).call for u in units])
     if call.outer_dp_sharding_strategy == "optim" and strategy != "optim_grads_params":
         raise ValueError(
             "fully_shard: outer_dp_sharding_strategy='optim' (ZeRO-1 over the outer axis) needs ZeRO-3 "
             "inside: pass reshard_after_forward=True to at least one unit"
         )
-    device = _device(call.mesh, managed)
-    index = _index(call, device)
-    # In the caller's terms, before MegatronFSDP checks what they became (its strategy, its precision)
-    check_params_match_across_ranks(
-        managed, index.get_dp_group(), who="fully_shard", settings=_arguments(call, units)
-    )
     precision, originals = _cast_for_compute(call.mp_policy, managed)
     config = DistributedDataParallelConfig(
         use_megatron_fsdp=True,

@@ -60,8 +60,11 @@ class _Root:
 
     def start_cycle_after_step(self, module: nn.Module, args: Any) -> None:
         """A forward after an optimizer step starts a new cycle: torch users zero the DTensors' grads
-        (``optimizer.zero_grad()``), gradsync must zero its grad buffers too. Grads still set (not
-        zeroed) would be summed into the next step in torch; the buffers hold one cycle, so refuse.
+        (``optimizer.zero_grad()``), gradsync must zero its grad buffers too. So does a forward after a
+        step that raised (a backward or a loss that raised on this rank, which then abandons the step
+        as ``zero_grad_buffer()`` does, so every rank raises; or the vote that named another rank).
+        Grads still set (not zeroed) would be summed into the next step in torch; the buffers hold one
+        cycle, so refuse.
 
         Grads set to None (torch's ``zero_grad()``) are seen on the host: then nothing is read from the
         device and the step has no host sync, as MegatronFSDP's. Only grads still set (zeroed in place
@@ -70,6 +73,8 @@ class _Root:
         param, an empty one where it owns no rows (``OptimizerGrads``), so every rank takes the same
         branch and posts the same collectives."""
         if not self.fsdp._reductions.stepped:
+            if self.fsdp.step_left_broken:  # the last step raised (here or elsewhere): settle it now
+                self.fsdp.zero_grad_buffer()
             return
         named = [(n, local_tensor(p.grad)) for n, p in self.fsdp.named_parameters() if p.grad is not None]
         if named:
