@@ -8,8 +8,8 @@ in the same processes, no wrapper).
 
 On the CPU (gloo; worlds 1 and 2) no GPU is behind any figure: the host time is the step's wall time. On
 CUDA (NCCL; world 1) the host time is what the CPU takes to issue the step (timed without synchronising)
-and the step time runs until the GPU is done; there the issue's models run too (fp32 219M and 21M, the bf16
-recipe at 370M and 21M; vocabularies sized to the issue's parameter counts), and a last table gives each
+and the step time runs until the GPU is done; there larger models run too (fp32 219M and 21M, the bf16
+recipe at 370M and 21M; vocabularies sized to those parameter counts), and a last table gives each
 system's step time over torch DDP's, one column per model. Sized to take under five minutes on one GPU,
 with torch (CUDA build) and the five gradsync packages installed, from the repository root:
 

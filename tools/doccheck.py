@@ -148,8 +148,13 @@ FIGURE_PROSE = re.compile(
     r"|MiB (?:per|a) step|MiB/step|ms/step|% of the step"
 )
 FORBIDDEN = re.compile(
-    r"\bissues? \d+\b|\bthis session\b|\bthis change\b|\bspec\b[^.\n]{0,30}§|§\s?\d", re.IGNORECASE
+    r"\bissues? \d+\b|\bthis session\b|\bthis change\b|\bspec\b[^.\n]{0,30}§|§\s?\d"
+    r"|\bthe issue'?s?\b|\bscratch script\b|\btheir own issues?\b",
+    re.IGNORECASE,
 )
+WRAPPED_LINK = re.compile(r"!?\[[^\]]*\]\([^)\s]*$")
+"""A link whose target runs past the end of its line: markdown breaks it, and the link check, reading one
+line at a time, would not see its target."""
 SPEC_CITATION = re.compile(r"\bspec\b[^\n]{0,20}§")
 CHANGELOG_HEADING = re.compile(r"^## (?:Unreleased|\d+\.\d+\.\d+ \((20\d\d-\d\d-\d\d)\))$")
 
@@ -497,6 +502,8 @@ def check_links(ctx: Context, rel: str, lines: list[Line]) -> Iterator[Problem]:
     for line in lines:
         if line.in_code:
             continue
+        if WRAPPED_LINK.search(line.text):
+            yield Problem(rel, line.number, "a link target wraps onto the next line: keep it on one line")
         for target in LINK.findall(line.text):
             if re.match(r"^[a-z]+:", target):
                 continue

@@ -89,6 +89,19 @@ PLANTS = [
         "commit 1234567, not in this repository",
     ),
     ("docs/planner.md", "The α-β form fits", "This session, the α-β form fits", "says 'This session'"),
+    (
+        "docs/performance.md",
+        "(the targets in brackets)",
+        "(the issue's targets in brackets)",
+        'says "the issue\'s"',
+    ),
+    ("docs/performance.md", "(a one-off timing script,", "(a scratch script,", "says 'scratch script'"),
+    (
+        "docs/performance.md",
+        "([how the benchmarks measure](#how-the-benchmarks-measure);",
+        "([how the benchmarks measure](#how-the-benchmarks-\nmeasure);",
+        "a link target wraps onto the next line",
+    ),
 ]
 
 
