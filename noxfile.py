@@ -106,7 +106,14 @@ def typecheck(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "mypy", "torch", *TEST_TOOLS, "nox", "matplotlib")
     session.run("mypy", *(arg for p in PACKAGES for arg in ("-p", f"gradsync.{p}")))
     session.run("mypy", "noxfile.py")
-    scripts = ["integration/toygpt", "integration/train.py", "integration/parity.py", "benchmarks", "tools"]
+    scripts = [
+        "integration/toygpt",
+        "integration/train.py",
+        "integration/parity.py",
+        "benchmarks",
+        "tools",
+        "examples",
+    ]
     # benchmarks/ scripts import each other (bench_ab reuses bench_worker), as they run with it on the path
     search = os.pathsep.join(str(ROOT / d) for d in ("integration", "benchmarks"))
     session.run("mypy", *scripts, env={"MYPYPATH": search})
