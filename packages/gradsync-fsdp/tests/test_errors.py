@@ -60,10 +60,10 @@ def test_models_that_differ_across_ranks_are_refused_on_every_rank() -> None:
 def index_outside_the_world() -> None:
     if dist.get_rank() == 0:
         return
-    only_rank_0 = dist.group.WORLD  # never used: the mesh check comes first
+    unused_group = dist.group.WORLD  # the mesh check refuses first; a subgroup would cost a new_group
     mesh = DeviceMesh(test_device().type, [0], mesh_dim_names=("dp_shard",), _init_backend=False)
     index = FSDPDistributedIndex.__new__(FSDPDistributedIndex)
-    index.device_mesh, index.use_hybrid_fsdp, index.fsdp_group = mesh, False, only_rank_0
+    index.device_mesh, index.use_hybrid_fsdp, index.fsdp_group = mesh, False, unused_group
     with pytest.raises(ValueError, match="does not fit the world"):
         MegatronFSDP(TinyTransformer(), index, config())
 
