@@ -61,6 +61,16 @@ FORWARD_WITHOUT_BACKWARD = (
 """Why a rank whose training forward was followed by neither backward nor sync abandons the step."""
 
 
+def unfinished_step(in_backward: bool, training_forward: bool, backward_ran: bool) -> str | None:
+    """Why the step ``zero_grad_buffer()`` ends was abandoned (a backward that never ended, or a training
+    forward with neither backward nor sync after it), or None: both wrappers ask it there."""
+    if in_backward:
+        return BACKWARD_RAISED.format(call="zero_grad_buffer()")
+    if training_forward and not backward_ran:
+        return FORWARD_WITHOUT_BACKWARD
+    return None
+
+
 class AbandonedStepError(RuntimeError):
     """A data-parallel rank abandoned the step: raised on that rank (with its reason) and on every other
     rank of its group (naming it)."""

@@ -39,7 +39,7 @@ from gradsync.buffers.shard_alignment import (
     set_shard_alignments,
     shard_alignment_of,
 )
-from gradsync.buffers.step_ballot import BACKWARD_RAISED, FORWARD_WITHOUT_BACKWARD, StepBallot
+from gradsync.buffers.step_ballot import StepBallot, unfinished_step
 from gradsync.buffers.wrapper_claims import (
     claim,
     first_owned_elsewhere,
@@ -443,10 +443,9 @@ class DistributedDataParallel(_BaseDataParallel):
         the zeroing can never race with a collective writing into the buffers. A backward that raised
         part-way abandons the step here (see the class docstring).
         """
-        if self._in_backward:
-            self._abandon(BACKWARD_RAISED.format(call="zero_grad_buffer()"))
-        if self._forward_unsynced and not self._backward_this_cycle:
-            self._abandon(FORWARD_WITHOUT_BACKWARD)
+        reason = unfinished_step(self._in_backward, self._forward_unsynced, self._backward_this_cycle)
+        if reason is not None:
+            self._abandon(reason)
         self._forward_unsynced = False
         for param in self.params_with_grad:
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]

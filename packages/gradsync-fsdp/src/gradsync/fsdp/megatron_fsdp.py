@@ -40,12 +40,7 @@ from gradsync.buffers.comm_hook import CommHook, RegisteredHook, check_hook
 from gradsync.buffers.grad_checks import LocalGradNorms, non_finite_ranks
 from gradsync.buffers.low_precision_reduce import GradCommWire
 from gradsync.buffers.shard_alignment import ShardAlignmentSpec, ShardBalance, set_shard_alignments
-from gradsync.buffers.step_ballot import (
-    BACKWARD_RAISED,
-    FORWARD_WITHOUT_BACKWARD,
-    AbandonedStepError,
-    StepBallot,
-)
+from gradsync.buffers.step_ballot import AbandonedStepError, StepBallot, unfinished_step
 from gradsync.buffers.wire_format import WireFormat
 from gradsync.buffers.wrapper_claims import (
     claim,
@@ -843,10 +838,9 @@ class MegatronFSDP(nn.Module):
     def zero_grad_buffer(self) -> None:
         """Zero the grad buffers and drop the optimizer params' grads; call once per optimizer step. A
         backward that raised part-way abandons the step here (see :mod:`gradsync.buffers.step_ballot`)."""
-        if self._in_backward:
-            self._abandon(BACKWARD_RAISED.format(call="zero_grad_buffer()"))
-        if self._forward_unsynced and not self._backward_this_cycle:
-            self._abandon(FORWARD_WITHOUT_BACKWARD)
+        reason = unfinished_step(self._in_backward, self._forward_unsynced, self._backward_this_cycle)
+        if reason is not None:
+            self._abandon(reason)
         self._forward_unsynced = False
         self._reductions.new_cycle()
         self._forwards_awaiting_backward = 0  # the cycle is over (a training forward alone abandoned it)
@@ -878,7 +872,8 @@ class MegatronFSDP(nn.Module):
         there), or a step abandoned here or on another rank (the buffers hold its partial grads). Loops
         that call no ``zero_grad_buffer()`` (the FSDP2-style API) ask this at the next forward."""
         abandoned = self._ballot.abandoned or self._ballot.others_abandoned
-        return self._in_backward or abandoned or (self._forward_unsynced and not self._backward_this_cycle)
+        unfinished = unfinished_step(self._in_backward, self._forward_unsynced, self._backward_this_cycle)
+        return abandoned or unfinished is not None
 
     def refuse_unsynced_step(self) -> None:
         """Raise before an optimizer step that would apply wrong grads (run by a global step pre-hook)."""
