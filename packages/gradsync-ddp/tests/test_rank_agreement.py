@@ -8,6 +8,7 @@ every rank's outcome (a rank that hung would fail the call by its timeout)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 from collections.abc import Callable
@@ -164,7 +165,8 @@ def abandoned_then_retried(
     config: DistributedDataParallelConfig, skip: str, dtype: torch.dtype = torch.float32
 ) -> tuple[str, torch.Tensor]:
     """Step 0; step 1 abandoned on rank 1 (``skip``: its backward raised and was caught, its loss raised
-    before any backward, or it synced with none); every rank catches what it raised and takes step 1
+    before any backward, it synced with no backward or no forward either, or it stepped the optimizer
+    after a forward with neither backward nor sync); every rank catches what it raised and takes step 1
     again, then step 2."""
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = Trainer.build(config, "sgd", dtype=dtype)
@@ -172,11 +174,19 @@ def abandoned_then_retried(
     trainer.ddp.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     (batch,) = local_microbatches(1, rank, world, 1)
+    stepping = skip == "step_without_backward"
+
+    def sync() -> None:
+        if not stepping or rank == 0:
+            trainer.ddp.finish_grad_sync()
+        if stepping:
+            trainer.optimizer.step()
+
     raised = step_abandoned_on_rank_one(
-        skip,
+        "no_backward" if stepping else skip,
         trainer.model.attention,
         lambda: trainer.ddp(batch),
-        trainer.ddp.finish_grad_sync,
+        sync,
         trainer.ddp.zero_grad_buffer,
     )
     message = f"{type(raised).__name__}: {raised}"
@@ -206,6 +216,16 @@ def test_a_rank_that_abandons_its_step_makes_every_rank_raise_and_leaves_no_trac
     want = reference_training("sgd", 2, 1, 3)
     for got in (params0, params1):
         assert max_relative_difference(got, want) <= 1e-6
+
+
+@pytest.mark.parametrize("skip", ["no_forward", "step_without_backward"])
+@pytest.mark.parametrize("config", [PLAIN, DISTOPT], ids=["ddp", "distopt"])
+def test_a_rank_that_skips_its_batch_makes_every_rank_raise(
+    config: DistributedDataParallelConfig, skip: str
+) -> None:
+    """A batch skipped whole (sync with no forward), or one whose forward ran and whose backward and sync
+    were skipped before an optimizer step: the step would move rank 1's weights alone."""
+    test_a_rank_that_abandons_its_step_makes_every_rank_raise_and_leaves_no_trace(config, True, skip)
 
 
 def trained_without_a_fault(config: DistributedDataParallelConfig, dtype: torch.dtype) -> torch.Tensor:
@@ -267,3 +287,28 @@ def test_check_abandoned_steps_false_casts_no_vote_and_raises_alone(check: bool)
         assert refused.startswith(
             "AbandonedStepError: DistributedDataParallel: rank 1 abandoned this step"
         ), refused
+
+
+def uneven_accumulation(config: DistributedDataParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank 0 accumulates three microbatches, rank 1 two (all but the last under no_sync()): gradsync-ddp
+    communicates once per cycle, so nothing waits. This rank's synced grads, and the mean over ranks of
+    each rank's own accumulated grads computed on a plain copy of the model."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = Trainer.build(config, "sgd")
+    plain = TinyGPT()
+    micro = 3 - rank
+    batches = local_microbatches(0, rank, world, micro)
+    for index, batch in enumerate(batches):
+        with trainer.ddp.no_sync() if index < micro - 1 else contextlib.nullcontext():
+            (trainer.ddp(batch) / micro).backward()
+        (plain(batch) / micro).backward()
+    trainer.ddp.finish_grad_sync()
+    want = torch.cat([p.grad.flatten() for p in plain.parameters()])
+    dist.all_reduce(want)
+    got = torch.cat([p.main_grad.flatten() for p in trainer.model.parameters()])  # type: ignore[union-attr]
+    return got, want / world
+
+
+def test_uneven_accumulation_syncs_once_with_each_ranks_weighting() -> None:
+    for rank, (got, want) in enumerate(run_distributed(uneven_accumulation, 2, args=(PLAIN,))):
+        assert max_relative_difference(got, want) <= 1e-6, rank

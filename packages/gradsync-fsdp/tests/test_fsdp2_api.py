@@ -711,7 +711,7 @@ def test_torch_compile_trains_like_one_process(where: str) -> None:
 def abandoned_then_retried(skip: str) -> tuple[str, dict[str, torch.Tensor]]:
     """A torch-style loop (no zero_grad_buffer(): the next forward starts each step); step 1 abandoned on
     rank 1 (its backward or its loss raised, the loop catches it and goes on with the next batch's
-    forward); every rank catches what it raised, zeroes the grads and takes step 1 again, then step 2."""
+    forward; or it steps the optimizer after a forward with no backward); every rank catches what it raised, zeroes the grads and takes step 1 again, then step 2."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = TinyTransformer()
     two_units(model)
@@ -726,7 +726,7 @@ def abandoned_then_retried(skip: str) -> tuple[str, dict[str, torch.Tensor]]:
     step(0)
     batch = local_microbatches(1, rank, world, 1)[0]
     raised = step_abandoned_on_rank_one(
-        skip, model.blocks[0], lambda: model(batch), lambda: None, lambda: model(batch)
+        skip, model.blocks[0], lambda: model(batch), optimizer.step, lambda: model(batch)
     )
     optimizer.zero_grad()
     step(1)
@@ -734,16 +734,16 @@ def abandoned_then_retried(skip: str) -> tuple[str, dict[str, torch.Tensor]]:
     return f"{type(raised).__name__}: {raised}", whole_weights(model)
 
 
-@pytest.mark.parametrize("skip", ["raised", "loss_raised"])
+@pytest.mark.parametrize("skip", ["raised", "loss_raised", "no_backward"])
 def test_an_abandoned_step_makes_every_rank_raise_and_leaves_no_trace(skip: str) -> None:
     """The next forward settles a step whose backward or loss raised, as zero_grad_buffer() does for
-    MegatronFSDP's loops: every rank raises by name, and retried, training matches one process."""
+    MegatronFSDP's loops, and the optimizer step one whose forward had no backward (a batch skipped after
+    its forward): every rank raises by name, and retried, training matches one process."""
     runs = run_distributed(abandoned_then_retried, 2, args=(skip,), timeout=90)
     who = "AbandonedStepError: MegatronFSDP"
     (waited, first), (abandoned, second) = runs
+    reason = ABANDONED_BY_RANK_ONE["step_without_backward" if skip == "no_backward" else skip]
     assert waited.startswith(f"{who}: rank(s) [1] of the data-parallel group abandoned this step"), waited
-    assert abandoned.startswith(f"{who}: rank 1 abandoned this step: {ABANDONED_BY_RANK_ONE[skip]}"), (
-        abandoned
-    )
+    assert abandoned.startswith(f"{who}: rank 1 abandoned this step: {reason}"), abandoned
     for weights in (first, second):
         assert max_relative_difference(weights, cached_reference(2, 1, 3)) <= 1e-6

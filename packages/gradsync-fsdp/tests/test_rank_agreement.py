@@ -130,7 +130,7 @@ def abandoned_then_retried(
     strategy: str, skip: str, outer: int = 1, dtype: torch.dtype = torch.float32
 ) -> tuple[str, dict[str, torch.Tensor]]:
     """Step 0; step 1 abandoned on rank 1 (``skip``: its backward raised and was caught, its loss raised
-    before any backward, or it synced with none); every rank catches what it raised and takes step 1
+    before any backward, it synced with none, or with no forward either); every rank catches what it raised and takes step 1
     again, then step 2."""
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = Trainer.build(strategy, outer=outer, dtype=dtype)
@@ -151,7 +151,7 @@ def abandoned_then_retried(
     return message, full_weights(trainer.model)
 
 
-@pytest.mark.parametrize("skip", ["raised", "loss_raised", "no_backward"])
+@pytest.mark.parametrize("skip", ["raised", "loss_raised", "no_backward", "no_forward"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_rank_that_abandons_its_step_makes_every_rank_raise_and_leaves_no_trace(
     strategy: str, skip: str

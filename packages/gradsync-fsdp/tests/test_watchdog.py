@@ -3,6 +3,8 @@ backward leaves the other waiting in a gather or reduction, and the report names
 
 from __future__ import annotations
 
+import contextlib
+import re
 import time
 
 import pytest
@@ -13,6 +15,7 @@ from fsdp_testkit import Block, TinyTransformer, local_microbatches
 from gradsync.buffers import (
     CollectiveHangError,
     DistributedDataParallelConfig,
+    HangWatchdog,
     collectives,
     start_hang_watchdog,
     stop_hang_watchdog,
@@ -24,28 +27,37 @@ from gradsync.groups.testing import run_distributed, test_device
 THRESHOLD = 2.0
 
 
-def skipped_backward() -> str:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group()  # the hanging collective must not block the harness's own barrier
-    config = DistributedDataParallelConfig(
-        use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"
-    )
+def watched_model(strategy: str, threshold: float = THRESHOLD) -> tuple[MegatronFSDP, HangWatchdog]:
+    """A MegatronFSDP over a group of its own (a hanging collective must not block the harness's barrier)
+    and a running watchdog that has seen every rank's progress."""
+    config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy)
     model = MegatronFSDP(
         TinyTransformer(),
-        FSDPDistributedIndex.from_group(group, device_type=test_device().type),
+        FSDPDistributedIndex.from_group(dist.new_group(), device_type=test_device().type),
         config,
         fsdp_unit_modules=[Block],
     )
-    guard = start_hang_watchdog(THRESHOLD, models=[model])
+    guard = start_hang_watchdog(threshold, models=[model])
     time.sleep(3 * guard.interval_s)
+    return model, guard
+
+
+def report_seen(guard: HangWatchdog) -> str:
+    """The hang the watchdog published, once it has (this rank waits in no collective), then stop it."""
+    deadline = time.monotonic() + THRESHOLD + 20
+    while guard.hang is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop_hang_watchdog()
+    return guard.hang or ""
+
+
+def skipped_backward() -> str:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, guard = watched_model("optim_grads_params")
     (batch,) = local_microbatches(0, rank, world, 1)
     loss = model(batch)
     if rank == 1:
-        deadline = time.monotonic() + THRESHOLD + 20
-        while guard.hang is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        stop_hang_watchdog()
-        return guard.hang or ""
+        return report_seen(guard)
     try:
         loss.backward()
         model.finish_grad_sync()
@@ -81,14 +93,7 @@ def healthy_steps(strategy: str, path: collectives.ReduceScatterPath | None) -> 
 
 def _healthy_steps(strategy: str) -> tuple[str, float]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy)
-    model = MegatronFSDP(
-        TinyTransformer(),
-        FSDPDistributedIndex.from_group(dist.new_group(), device_type=test_device().type),
-        config,
-        fsdp_unit_modules=[Block],
-    )
-    start_hang_watchdog(1.0, models=[model])
+    model, _ = watched_model(strategy, threshold=1.0)
     started = time.monotonic()
     try:
         for step in range(2):
@@ -109,3 +114,78 @@ def test_healthy_steps_raise_nothing(path: collectives.ReduceScatterPath | None)
     for strategy in ("optim", "optim_grads", "optim_grads_params"):
         for report, _ in run_distributed(healthy_steps, 2, args=(strategy, path), reuse=False, timeout=90):
             assert report == "", report
+
+
+def uneven_accumulation(strategy: str) -> str:
+    """Rank 0 accumulates three microbatches, rank 1 two (all but the last under no_sync()). Under ZeRO-2
+    and ZeRO-3 each microbatch communicates, so rank 0's third one waits for a rank that went on to
+    finish_grad_sync(), whose vote waits for rank 0. No rank can know before: only a collective per
+    microbatch would tell the others how many are left. What each rank raised, or its reduced grads."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, _ = watched_model(strategy)
+    micro = 3 - rank
+    try:
+        for index, batch in enumerate(local_microbatches(0, rank, world, micro)):
+            with model.no_sync() if index < micro - 1 else contextlib.nullcontext():
+                (model(batch) / micro).backward()
+        model.finish_grad_sync()
+    except CollectiveHangError as error:
+        return str(error)
+    finally:
+        stop_hang_watchdog()
+    if strategy != "no_shard":  # ZeRO-1 reduces each rank's own rows only
+        return "finished"
+    return repr([bucket.grad.sum().item() for bucket in model.buckets if bucket.grad is not None])
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_uneven_accumulation_names_both_ranks_and_what_they_wait_in(strategy: str) -> None:
+    """The hang is named on both ranks: the one still accumulating, and the one waiting in the step's vote
+    (the vote's wait is watched as the data collectives' are, so that rank raises too)."""
+    more, fewer = run_distributed(uneven_accumulation, 2, args=(strategy,), reuse=False, timeout=90)
+    for report, waiting, missing, its_wait in (
+        (more, 0, 1, "step_ballot.vote"),
+        (fewer, 1, 0, "fsdp.bucket"),
+    ):
+        assert f"rank {waiting} has waited" in report, report
+        assert f"Culprit rank(s) [{missing}]" in report, report
+        assert f"Rank {missing} is itself waiting in collective #" in report, report
+        assert its_wait in report.split("is itself waiting")[1], report
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+def test_uneven_accumulation_without_a_collective_per_microbatch_syncs_once(strategy: str) -> None:
+    """no_shard and ZeRO-1 communicate once per cycle: each rank's grads, weighed as its loss scaling
+    says, are reduced together (as under torch DDP's no_sync()); no_shard's replicas hold the same grads."""
+    more, fewer = run_distributed(uneven_accumulation, 2, args=(strategy,), reuse=False, timeout=90)
+    assert not more.startswith("gradsync hang watchdog"), more
+    assert more == fewer
+
+
+def collective_called_on_rank_zero(call: str) -> str:
+    """Rank 0 alone calls a collective API (``full_state_dict()``, or an evaluation forward under ZeRO-3);
+    rank 1 waits for the watchdog's report. What rank 0 raised."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, guard = watched_model("optim_grads_params")
+    if rank == 1:
+        report_seen(guard)
+        return ""
+    try:
+        if call == "full_state_dict":
+            model.full_state_dict()
+        else:
+            model.eval()
+            with torch.no_grad():
+                model(local_microbatches(0, rank, world, 1)[0])
+    except CollectiveHangError as error:
+        return str(error)
+    finally:
+        stop_hang_watchdog()
+    raise AssertionError(f"{call} on rank 0 alone returned")
+
+
+@pytest.mark.parametrize("call", ["full_state_dict", "eval_forward"])
+def test_a_collective_api_called_on_one_rank_names_the_gather_and_the_missing_rank(call: str) -> None:
+    report, _ = run_distributed(collective_called_on_rank_zero, 2, args=(call,), reuse=False, timeout=90)
+    assert re.search(r"in collective #\d+ \(fsdp\.bucket\d+ all_gather\)", report), report
+    assert "Culprit rank(s) [1]: they have not launched it" in report, report

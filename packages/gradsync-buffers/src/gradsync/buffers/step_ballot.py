@@ -4,8 +4,9 @@ the others waiting for its grads or stepping on reductions it never joined.
 
 A rank abandons its step when its backward raised part-way and the exception was caught (the next
 ``zero_grad_buffer()``, ``finish_grad_sync()`` or optimizer step finds the backward never ended), when
-it syncs with no backward at all, or when its training forward is followed by the next
-``zero_grad_buffer()`` with neither a backward nor a sync in between (a loss computation that raised).
+it syncs with no backward at all, or when its training forward is followed by an optimizer step or the next
+``zero_grad_buffer()`` with neither a backward nor a sync in between (a loss computation that raised, a
+batch skipped after its forward).
 It first completes the collectives its step left (the rest of its backward's gathers, every reduction, with
 the grads it has and zeros where none arrived), so that the others' collectives end, then votes
 ``abandoned`` and raises :class:`AbandonedStepError`; it refuses to sync or step again until
@@ -31,6 +32,8 @@ import torch.distributed as dist
 from gradsync.groups import guard_group_teardown
 from gradsync.groups.torch_internals import default_group
 
+from .collectives import Launched
+
 BALLOT_DESC = "gradsync_step_ballot"
 """``group_desc`` of the vote groups, as torch's logs and traces show it."""
 
@@ -53,12 +56,13 @@ BACKWARD_RAISED = (
 """Why a rank whose backward never ended abandons the step (``{call}``: what found it)."""
 
 FORWARD_WITHOUT_BACKWARD = (
-    "its forward ran in training mode with grad enabled, then zero_grad_buffer() came with no backward and "
-    "no finish_grad_sync() in between (an exception caught between forward and backward, say), so its "
-    "collectives would pair with the other ranks' previous step. A forward that needs no backward belongs "
-    "under torch.no_grad() or model.eval()"
+    "its forward ran in training mode with grad enabled, then {call} came with no backward and no "
+    "finish_grad_sync() in between (an exception caught between forward and backward, or a batch skipped "
+    "after its forward, say), so its collectives are out of step with the other ranks'. A forward that "
+    "needs no backward belongs under torch.no_grad() or model.eval()"
 )
-"""Why a rank whose training forward was followed by neither backward nor sync abandons the step."""
+"""Why a rank whose training forward was followed by neither backward nor sync abandons the step
+(``{call}``: what found it)."""
 
 
 def unfinished_step(in_backward: bool, training_forward: bool, backward_ran: bool) -> str | None:
@@ -67,7 +71,7 @@ def unfinished_step(in_backward: bool, training_forward: bool, backward_ran: boo
     if in_backward:
         return BACKWARD_RAISED.format(call="zero_grad_buffer()")
     if training_forward and not backward_ran:
-        return FORWARD_WITHOUT_BACKWARD
+        return FORWARD_WITHOUT_BACKWARD.format(call="zero_grad_buffer()")
     return None
 
 
@@ -142,10 +146,16 @@ class StepBallot:
         return check
 
     def refuse_abandoned(
-        self, call: str, backward_unfinished: bool, abandon: Callable[[str], NoReturn]
+        self,
+        call: str,
+        backward_unfinished: bool,
+        abandon: Callable[[str], NoReturn],
+        forward_without_backward: bool = False,
     ) -> None:
         """Before ``call`` (a sync or an optimizer step): raise if this rank abandoned the step (until
-        ``zero_grad_buffer()``), and ``abandon`` it if a backward started and never ended."""
+        ``zero_grad_buffer()``), and ``abandon`` it if a backward started and never ended, or if a training
+        forward had neither a backward nor a sync after it (asked before a step: stepping would move the
+        weights while the other ranks wait in this step's reductions)."""
         if self.abandoned:
             raise AbandonedStepError(
                 f"{self.who}: {call} on rank {dist.get_rank()} in a step it abandoned; call "
@@ -153,6 +163,8 @@ class StepBallot:
             )
         if backward_unfinished:
             abandon(BACKWARD_RAISED.format(call=call))
+        if forward_without_backward:
+            abandon(FORWARD_WITHOUT_BACKWARD.format(call=call))
 
     def abandon(self, complete_collectives: Callable[[], None], reason: str) -> NoReturn:
         """Complete the collectives the other ranks still wait for, vote "abandoned", raise ``reason``."""
@@ -175,11 +187,17 @@ class StepBallot:
     @staticmethod
     def _vote(
         group: dist.ProcessGroup, votes: dist.ProcessGroup, abandoned: bool
-    ) -> tuple[dist.Work, torch.Tensor, dist.ProcessGroup]:
+    ) -> tuple[Launched, torch.Tensor, dist.ProcessGroup]:
         # A fresh tally per vote: one whose count was never read (its step raised in between) may still be
         # in flight when the next vote goes out.
         tally = torch.zeros(group.size(), dtype=torch.int32)
         tally[dist.get_rank(group)] = int(abandoned)
-        work = dist.all_reduce(tally, group=votes, async_op=True)
-        assert work is not None
-        return work, tally, group
+        # recorded, so that the hang watchdog sees a rank waiting for the count (the others may be stuck
+        # in a collective this rank never launched: it names this rank's vote, and this rank raises too)
+        return (
+            Launched([dist.all_reduce(tally, group=votes, async_op=True)]).record(
+                "all_reduce", "step_ballot.vote", tally, votes
+            ),
+            tally,
+            group,
+        )

@@ -21,6 +21,9 @@ ABANDONED_BY_RANK_ONE = {
     "loss_raised": "its forward ran in training mode with grad enabled, then zero_grad_buffer() came "
     "with no backward",
     "no_backward": "finish_grad_sync() on rank 1 with no backward since zero_grad_buffer()",
+    "no_forward": "finish_grad_sync() on rank 1 with no backward since zero_grad_buffer()",
+    "step_without_backward": "its forward ran in training mode with grad enabled, then an optimizer step "
+    "came with no backward",
 }
 """How each wrapper's message on rank 1 starts its reason, for each way
 ``gradsync.groups.testing.step_abandoned_on_rank_one`` abandons a step (written out, not taken from the

@@ -459,7 +459,12 @@ class DistributedDataParallel(_BaseDataParallel):
     def refuse_unsynced_step(self) -> None:
         """Raise before an optimizer step that would apply wrong grads (run by a global step pre-hook,
         and by the DistributedOptimizer before it reads the grads)."""
-        self._ballot.refuse_abandoned("an optimizer step", self._in_backward, self._abandon)
+        self._ballot.refuse_abandoned(
+            "an optimizer step",
+            self._in_backward,
+            self._abandon,
+            forward_without_backward=self._forward_unsynced and not self._backward_this_cycle,
+        )
         if self._grads_pending:  # every rank usually runs the same code: each raises, no collective waits
             raise RuntimeError(
                 f"{type(self).__name__}: optimizer step after a backward whose grads were not synchronised; "
@@ -471,12 +476,18 @@ class DistributedDataParallel(_BaseDataParallel):
     def _abandon(self, reason: str) -> NoReturn:
         """Complete this step's reductions for the other ranks, then raise on every rank."""
         self._in_backward = self._grads_pending = self._forward_unsynced = False
-        self._ballot.abandon(self._complete_step_reductions, reason)
+        self._ballot.abandon(self._complete_step_collectives, reason)
 
-    def _complete_step_reductions(self) -> None:
-        """Every bucket group's reduction, as the other ranks' backward and finish_grad_sync run them:
-        those the abandoned backward did not launch are launched now, in the order the others launch them
-        (:meth:`GradBuffers.launch_order`)."""
+    def _complete_step_collectives(self) -> None:
+        """What the other ranks' forward, backward and finish_grad_sync still communicate. With forward
+        pre-hooks, the forward's param gathers, bucket group by bucket group in the order the gathers
+        chain (the forward's: each group's gather dispatches the next): a rank that ran no forward issues
+        them here, and for one that did, finishing a finished gather does nothing. Then every bucket
+        group's reduction: those the abandoned backward did not launch are launched now, in the order the
+        others launch them (:meth:`GradBuffers.launch_order`)."""
+        if self.remove_forward_pre_hook_handles:
+            for group in reversed(self.grad_buffers.all_bucket_groups):
+                self._finish_param_sync_for_bucket_group(group)
         if self.ddp_config.overlap_grad_reduce:
             for group in self.grad_buffers.launch_order():
                 if not group.grad_reduce_dispatched:

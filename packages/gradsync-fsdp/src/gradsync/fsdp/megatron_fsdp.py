@@ -40,7 +40,7 @@ from gradsync.buffers.comm_hook import CommHook, RegisteredHook, check_hook
 from gradsync.buffers.grad_checks import LocalGradNorms, non_finite_ranks
 from gradsync.buffers.low_precision_reduce import GradCommWire
 from gradsync.buffers.shard_alignment import ShardAlignmentSpec, ShardBalance, set_shard_alignments
-from gradsync.buffers.step_ballot import AbandonedStepError, StepBallot, unfinished_step
+from gradsync.buffers.step_ballot import StepBallot, unfinished_step
 from gradsync.buffers.wire_format import WireFormat
 from gradsync.buffers.wrapper_claims import (
     claim,
@@ -578,6 +578,10 @@ class MegatronFSDP(nn.Module):
             self._forward_unsynced = True
         self._install_if_stepped()
         self._replace_param_with_raw_if_needed()
+        self._gather_for_forward()
+
+    def _gather_for_forward(self) -> None:
+        """The forward's first gathers: the buckets outside every unit, and the first units' prefetch."""
         if self.sharding.name == "no_shard":
             return
         for bucket in self._non_unit_buckets:
@@ -615,14 +619,16 @@ class MegatronFSDP(nn.Module):
         """ZeRO-3 releases the unit, except during recomputation (its backward follows at once) and, when
         a backward will follow, for the last unit (backward starts with it) and ``units_kept_after_forward``
         (FSDP2's ``reshard_after_forward=False``: no gather in the backward)."""
-        recomputing = get_state(unit) is TrainingState.PRE_BACKWARD
-        kept = unit_id == len(self.units) - 1 or unit_id in self.units_kept_after_forward
-        needed_next = kept and torch.is_grad_enabled()
-        if self.sharding.shard_params and not recomputing and not needed_next:
-            for bucket in self._unit_buckets[unit_id]:
-                bucket.release()
+        if get_state(unit) is not TrainingState.PRE_BACKWARD:  # not recomputing
+            self._release_after_forward(unit_id, backward_follows=torch.is_grad_enabled())
         if self.sharding.shard_params:  # weights kept whole since the forward need nothing before backward
             on_first_output_grad(output, functools.partial(self._unit_pre_backward, unit_id))
+
+    def _release_after_forward(self, unit_id: int, backward_follows: bool) -> None:
+        kept = unit_id == len(self.units) - 1 or unit_id in self.units_kept_after_forward
+        if self.sharding.shard_params and not (kept and backward_follows):
+            for bucket in self._unit_buckets[unit_id]:
+                bucket.release()
 
     # --- backward ----------------------------------------------------------------------------------
     @labelled("root_pre_backward")
@@ -877,7 +883,12 @@ class MegatronFSDP(nn.Module):
 
     def refuse_unsynced_step(self) -> None:
         """Raise before an optimizer step that would apply wrong grads (run by a global step pre-hook)."""
-        self._ballot.refuse_abandoned("an optimizer step", self._in_backward, self._abandon)
+        self._ballot.refuse_abandoned(
+            "an optimizer step",
+            self._in_backward,
+            self._abandon,
+            forward_without_backward=self._forward_unsynced and not self._backward_this_cycle,
+        )
         if self._grads_pending:  # every rank usually runs the same code: each raises, no collective waits
             raise RuntimeError(
                 "MegatronFSDP: optimizer step after a backward whose grads were not synchronised; call "
@@ -887,23 +898,26 @@ class MegatronFSDP(nn.Module):
         refuse_unfrozen(self._frozen_at_wrap, "MegatronFSDP")
 
     def _abandon(self, reason: str) -> NoReturn:
-        """Complete this step's collectives for the other ranks, then raise on every rank. Under ZeRO-3 a
-        rank that ran no forward either cannot: the others wait in the forward's gathers, which it would
-        not issue in their order; it raises alone, and they wait for the hang watchdog or the timeout."""
+        """Complete this step's collectives for the other ranks, then raise on every rank."""
         no_forward = not (self._in_backward or self._backward_this_cycle or self._forwards_awaiting_backward)
         self._grads_pending = self._forward_unsynced = False
-        if self.sharding.shard_params and no_forward:
-            self._ballot.abandoned = True
-            raise AbandonedStepError(f"MegatronFSDP: rank {dist.get_rank()} abandoned this step: {reason}")
         try:
-            self._ballot.abandon(self._complete_step_collectives, reason)
+            self._ballot.abandon(functools.partial(self._complete_step_collectives, no_forward), reason)
         finally:
             self._in_backward = False  # one vote per abandoned step, whatever the completion raised
 
-    def _complete_step_collectives(self) -> None:
-        """What the other ranks' backward and ``finish_grad_sync()`` still communicate: the rest of an
-        abandoned backward (ZeRO-3 gathers each unit it did not reach, in backward order; every bucket's
-        reduction in launch order), the reductions deferred to the cycle's end, the NaN check's gather."""
+    def _complete_step_collectives(self, no_forward: bool) -> None:
+        """What the other ranks' forward, backward and ``finish_grad_sync()`` still communicate: a forward's
+        gathers when this rank ran none (every unit in forward order, as the others' forward issues them),
+        the rest of an abandoned backward (ZeRO-3 gathers each unit it did not reach, in backward order;
+        every bucket's reduction in launch order), the reductions deferred to the cycle's end, the NaN
+        check's gather."""
+        if no_forward:
+            self._install_if_stepped()
+            self._gather_for_forward()
+            for unit_id in range(len(self.units)) if self.sharding.shard_main else ():
+                self._gathers.gather_unit(unit_id, prefetch=unit_id + 1)
+                self._release_after_forward(unit_id, backward_follows=True)
         if self._in_backward or not self._backward_this_cycle:
             if not self._in_backward:
                 self._gather_root_buckets()

@@ -38,10 +38,17 @@ def step_abandoned_on_rank_one(
 ) -> RuntimeError | None:
     """One step that rank 1 abandons, ``how``: ``"raised"`` (its backward raises at ``fault_at``'s output,
     the loop catches it and goes on with ``next_call``), ``"loss_raised"`` (the loss raises after the
-    forward, before any backward; the loop goes on with ``next_call``) or ``"no_backward"`` (it syncs
-    without one). Every other rank runs forward, backward and ``sync``. Returns what the step raised on
+    forward, before any backward; the loop goes on with ``next_call``), ``"no_backward"`` (it runs
+    ``sync`` after the forward without a backward) or ``"no_forward"`` (it runs ``sync`` alone: a batch
+    skipped whole). Every other rank runs forward, backward and ``sync``. Returns what the step raised on
     this rank."""
     skipping = dist.get_rank() == 1
+    if skipping and how == "no_forward":
+        try:
+            sync()
+        except RuntimeError as error:
+            return error
+        return None
     armed = raise_in_backward(fault_at) if skipping and how == "raised" else None
     loss = forward()
     if armed is not None:
