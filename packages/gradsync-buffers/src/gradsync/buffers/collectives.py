@@ -72,10 +72,13 @@ class Launched:
         if other.following is not None:
             self.following = _in_turn(self.following, other.following)
 
-    def record(self, kind: str, label: str, payload: torch.Tensor, group: dist.ProcessGroup) -> Launched:
+    def record(
+        self, kind: str, label: str, payload: torch.Tensor, group: dist.ProcessGroup, *, data: bool = True
+    ) -> Launched:
         """Tell telemetry and the hang watchdog, when on, that these works are one collective sending
-        ``payload`` over ``group``; returns self."""
-        recorder, guard = telemetry.active_telemetry(), watchdog.active_watchdog()
+        ``payload`` over ``group``; returns self. ``data`` False: bookkeeping (the step's vote), which the
+        watchdog watches but telemetry, which accounts for the data a step moves, leaves out."""
+        recorder, guard = telemetry.active_telemetry() if data else None, watchdog.active_watchdog()
         if recorder is None and guard is None:
             return self
         span = recorder.launched(kind, label, payload, group, self.works) if recorder is not None else None

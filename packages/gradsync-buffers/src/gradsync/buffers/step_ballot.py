@@ -196,7 +196,7 @@ class StepBallot:
         # in a collective this rank never launched: it names this rank's vote, and this rank raises too)
         return (
             Launched([dist.all_reduce(tally, group=votes, async_op=True)]).record(
-                "all_reduce", "step_ballot.vote", tally, votes
+                "all_reduce", "step_ballot.vote", tally, votes, data=False
             ),
             tally,
             group,
