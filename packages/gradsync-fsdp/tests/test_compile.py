@@ -18,9 +18,10 @@ from fsdp_testkit import (
     reference_training,
 )
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
-from gradsync.fsdp import fully_shard_model, fully_shard_optimizer
-from gradsync.groups.testing import run_distributed
+from gradsync.fsdp import fully_shard, fully_shard_model, fully_shard_optimizer
+from gradsync.groups.testing import run_distributed, test_device
 
 STEPS = 3
 
@@ -59,3 +60,71 @@ def test_training_through_a_parent_or_torch_compile(strategy: str, outside: str)
     want = reference_training(2, 2, STEPS)
     for rank, weights in enumerate(run_distributed(train_through, 2, args=(strategy, outside, 2))):
         assert max_relative_difference(weights, want) <= 1e-6, rank
+
+
+MESHES = [((1, 4, 1), None), ((2, 2, 1), 0), ((1, 2, 2), None)]
+"""(outer, shard, tp) sizes and the outer strategy (None: no HSDP): the sequence Megatron-FSDP's own
+``test_fully_shard`` runs in one world, one mesh after another."""
+
+
+def clear_torch_mesh_state() -> None:
+    """What Megatron-FSDP's tests do between meshes: drop torch's global DeviceMesh bookkeeping, the parts
+    this torch has (the process groups stay)."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    for name in (
+        "child_to_root_mapping",
+        "root_to_flatten_mapping",
+        "mesh_stack",
+        "flatten_name_to_root_dims",
+    ):
+        kept = getattr(_mesh_resources, name, None)
+        if kept is not None:
+            kept.clear()
+
+
+def compiled_over_meshes_in_a_row(strategy: int) -> list[dict[str, torch.Tensor]]:
+    """For each of :data:`MESHES`: wrap a fresh model over a fresh mesh, ``torch.compile`` it, train two
+    steps on the batch rows of this rank's data-parallel position; the weights of each."""
+    results = []
+    for (outer, shard, tp), outer_strategy in MESHES:
+        mesh = init_device_mesh(
+            test_device().type, (outer, shard, tp), mesh_dim_names=("outer", "shard", "tp")
+        )
+        hybrid = mesh["outer", "shard"]._flatten("hsdp").get_group() if outer_strategy is not None else None
+        module = TinyTransformer()
+        model, optimizer = fully_shard(
+            module,
+            make_optimizer(module.parameters()),
+            device_mesh=mesh,
+            dp_shard_dim="shard",
+            dp_outer_dim="outer" if outer_strategy is not None else None,
+            tp_dim="tp",
+            hybrid_fsdp_group=hybrid,
+            fsdp_unit_modules=[Block],
+            zero_dp_strategy=strategy,
+            outer_dp_sharding_strategy=outer_strategy or 0,
+        )
+        compiled = torch.compile(model, backend="aot_eager")
+        position = mesh.get_local_rank("outer") * shard + mesh.get_local_rank("shard")
+        for step in range(2):
+            (batch,) = local_microbatches(step, position, outer * shard, 1)
+            compiled(batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append(full_weights(model))
+        clear_torch_mesh_state()
+    return results
+
+
+@pytest.mark.parametrize("strategy", [1, 3])
+def test_models_compiled_over_one_mesh_after_another_train_like_one_process(strategy: int) -> None:
+    """Each mesh's model trains as one process on its data-parallel batch. The hooks ran traced, a compiled
+    frame kept the first mesh's group ranks, and the second mesh's forward broadcast from a rank outside its
+    group."""
+    for rank, runs in enumerate(
+        run_distributed(compiled_over_meshes_in_a_row, 4, args=(strategy,), timeout=240)
+    ):
+        for ((outer, shard, _), _), weights in zip(MESHES, runs, strict=True):
+            want = reference_training(outer * shard, 1, 2)
+            assert max_relative_difference(weights, want) <= 1e-5, (rank, outer, shard)

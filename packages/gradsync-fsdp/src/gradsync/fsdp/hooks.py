@@ -6,12 +6,23 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from enum import Enum, auto
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from .torch_internals import pytree
+
+H = TypeVar("H", bound=Callable[..., Any])
+
+
+def outside_compile(hook: H) -> H:
+    """``hook`` run eagerly, never traced by ``torch.compile``, as torch's FSDP2 runs its own hooks (it
+    disables dynamo on them). The hooks launch collectives over process groups and read
+    the step's Python state: a traced hook would bake a group's ranks or a flag into the compiled frame as
+    constants, and a model wrapped later over another mesh in the same process would run on the first
+    one's (a broadcast from a rank outside its group, seen at the second mesh)."""
+    return torch.compiler.disable(hook)  # type: ignore[no-untyped-call,no-any-return]
 
 
 class TrainingState(Enum):

@@ -65,6 +65,7 @@ from .hooks import (
     attach_post_backward,
     get_state,
     on_first_output_grad,
+    outside_compile,
     set_state,
     weak_method,
 )
@@ -555,13 +556,15 @@ class MegatronFSDP(nn.Module):
         wrapper -> module -> hook -> wrapper is collected once nothing else holds either. A param's hooks
         are invisible to it: those hold the wrapper weakly (:func:`~gradsync.fsdp.hooks.weak_method`) and
         are removed, with the params' ``main_grad`` views, when the wrapper goes."""
-        self.module.register_forward_pre_hook(self._root_pre_forward, prepend=True)
-        self.module.register_forward_hook(self._root_post_forward)
+        self.module.register_forward_pre_hook(outside_compile(self._root_pre_forward), prepend=True)
+        self.module.register_forward_hook(outside_compile(self._root_post_forward))
         for unit_id, unit in enumerate(self.units):
             unit.register_forward_pre_hook(
-                functools.partial(self._unit_pre_forward, unit_id), prepend=True, with_kwargs=True
+                outside_compile(functools.partial(self._unit_pre_forward, unit_id)),
+                prepend=True,
+                with_kwargs=True,
             )
-            unit.register_forward_hook(functools.partial(self._unit_post_forward, unit_id))
+            unit.register_forward_hook(outside_compile(functools.partial(self._unit_post_forward, unit_id)))
         grad_hooks = [
             param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                 weak_method(self, "_on_grad", name, *self._position[param])

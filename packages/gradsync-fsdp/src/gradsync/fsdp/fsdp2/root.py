@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from gradsync.buffers import DistributedDataParallelConfig, check_params_match_across_ranks
 from gradsync.groups import FSDPDistributedIndex
 
+from ..hooks import outside_compile
 from ..megatron_fsdp import MegatronFSDP
 from ..torch_internals import detach_for_saving, flatten_mesh
 from . import module as _module
@@ -86,7 +87,7 @@ def _build_root(module: nn.Module, call: _Call, units: list[_module.FSDPModule])
     for member in [*units, module]:
         _PENDING.discard(member)
         _cast_at_boundaries(member, _state(member).call.mp_policy)
-    module.register_forward_pre_hook(root.start_cycle_after_step, prepend=True)  # before MegatronFSDP's
+    module.register_forward_pre_hook(outside_compile(root.start_cycle_after_step), prepend=True)  # first
     module.register_state_dict_post_hook(_picklable_dtensors)  # type: ignore[no-untyped-call]
 
 
