@@ -299,8 +299,9 @@ for _label, _version in COMPAT_TORCH.items():
 @nox.session
 def integration(session: nox.Session) -> None:
     """The integration suite: every strategy on the CI layouts vs a single-process run, plus torchrun
-    launches (report, bit-exact resume, a killed rank)."""
-    install_local(session, *PACKAGES, extra=TEST_TOOLS)
+    launches (report, bit-exact resume, a killed rank), and the examples (quick start B's needs
+    transformers)."""
+    install_local(session, *PACKAGES, extra=(*TEST_TOOLS, "transformers"))
     session.run("pytest", SLOWEST, str(ROOT / "integration"), *session.posargs)
 
 
@@ -316,7 +317,7 @@ def mutations(session: nox.Session) -> None:
 @nox.session(name="integration-full")
 def integration_full(session: nox.Session) -> None:
     """The integration suite over every layout (not in the default set: about twice as long)."""
-    install_local(session, *PACKAGES, extra=TEST_TOOLS)
+    install_local(session, *PACKAGES, extra=(*TEST_TOOLS, "transformers"))
     session.run("pytest", str(ROOT / "integration"), *session.posargs, env={"GRADSYNC_INTEGRATION_FULL": "1"})
 
 
@@ -356,8 +357,9 @@ def bench_ab(session: nox.Session) -> None:
 def bench_launch(session: nox.Session) -> None:
     """Benchmark (not a test): the launch-bound model (next to no compute, many small params and units), every
     system's steps interleaved: host time per step, unit and param beside torch DDP, FSDP2 and the floor, on
-    gloo at worlds 1 and 2 (no GPU). ``-- --device cuda`` adds issue 30's models (fp32, the bf16 recipe) at
-    world 1 on NCCL, sized for five minutes on one GPU (benchmarks/bench_launch.py; DeepSpeed if named)."""
+    gloo at worlds 1 and 2 (no GPU). ``-- --device cuda`` adds the GPT models of docs/performance.md (fp32,
+    the bf16 recipe) at world 1 on NCCL, sized for five minutes on one GPU (benchmarks/bench_launch.py;
+    DeepSpeed if named)."""
     install_local(session, "ddp", "fsdp", "finalize")
     session.run("python", str(ROOT / "benchmarks" / "bench_launch.py"), *session.posargs)
 

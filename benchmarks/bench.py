@@ -44,7 +44,7 @@ PEERS = [
     "deepspeed-zero2",
     "deepspeed-zero3",
 ]
-TARGETS = [  # (system, peer, at most this ratio of the peer's step time): issue 20's targets
+TARGETS = [  # (system, peer, at most this ratio of the peer's step time): the targets
     ("gradsync-fsdp-no_shard", "gradsync-ddp+overlap", 1.0),
     ("gradsync-fsdp-optim", "gradsync-ddp+distopt", 1.0),
     ("gradsync-fsdp-no_shard", "torch-ddp", 1.0),
@@ -144,7 +144,7 @@ def write_results(
     times: dict[str, dict[str, float]], rows: dict[str, Result], floor: Result, args: argparse.Namespace
 ) -> Path:
     """One table: step times from the interleaved runs (``times``, bench_ab's summary), wire bytes and
-    peak RSS from the runs alone (``rows``); then the issue's targets, met or not."""
+    peak RSS from the runs alone (``rows``); then the targets, met or not."""
     from bench_ab import commit
 
     world = args.nproc

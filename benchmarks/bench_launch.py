@@ -1,4 +1,4 @@
-"""`nox -s bench-launch`: the launch-bound benchmark (issue 30). On a model whose compute is negligible beside
+"""`nox -s bench-launch`: the launch-bound benchmark. On a model whose compute is negligible beside
 the wrappers' host work (the toy GPT at d_model 32, 24 layers, one sequence of 16 tokens per rank: 388
 small params in 25 units), what is left of a step is each system's own bookkeeping, reported per step, per
 unit (each block, and the root: the fully_shard calls) and per param. Every system's steps run
@@ -219,7 +219,7 @@ def table(result: dict[str, Any], cuda: bool) -> list[str]:
 
 
 def versus_ddp(ratios: dict[str, dict[str, float]], systems: list[str], world: int) -> list[str]:
-    """The issue's table: a row per system, a column per model, each its step time over torch DDP's."""
+    """The table: a row per system, a column per model, each its step time over torch DDP's."""
     lines = [f"\nstep time / torch DDP's step time in the same run, {world} rank(s)\n"]
     lines += ["| system | " + " | ".join(ratios) + " |", "|---" * (len(ratios) + 1) + "|"]
     lines += [f"| {s} | " + " | ".join(f"{ratios[m][s]:.2f}" for m in ratios) + " |" for s in systems]

@@ -1,4 +1,4 @@
-"""`nox -s bench-memory`: what each strategy holds per param, and its peak in a step (issue 30, section 3).
+"""`nox -s bench-memory`: what each strategy holds per param, and its peak in a step.
 
 Every system of bench_launch.py that keeps state (the distributed optimizer, MegatronFSDP's four
 strategies, torch FSDP2 and gradsync's FSDP2-style API) is built alone, on its own copy of a small GPT, in

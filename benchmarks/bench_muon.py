@@ -1,4 +1,4 @@
-"""Muon against AdamW under the same strategy (issue 21): steps interleaved in the same processes
+"""Muon against AdamW under the same strategy: steps interleaved in the same processes
 (bench_ab.py) at two batch sizes, and each system alone for the bytes it writes to its sockets.
 
 Muon's extra cost is the Newton-Schulz math of the matrices a rank owns (its FLOPs do not grow with the

@@ -5,17 +5,20 @@ of the example's lines, the body of ``main`` read one level out), so the two can
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 MEGATRON_DDP = ROOT / "examples" / "megatron_ddp.py"
+FSDP2_LLAMA = ROOT / "examples" / "fsdp2_llama.py"
 
 
 def load(path: Path) -> ModuleType:
@@ -43,15 +46,59 @@ def one_process_losses(example: ModuleType, world: int) -> list[float]:
     return losses
 
 
-def test_the_megatron_ddp_example_trains_as_one_process() -> None:
+def launched(example: Path, **env: str) -> str:
+    """What rank 0 printed, under torchrun on 2 CPU ranks."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     result = subprocess.run(
-        [*command, str(MEGATRON_DDP)], capture_output=True, text=True, timeout=180, check=False
+        [*command, str(example)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, **env},
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    printed = [float(m.group(1)) for m in re.finditer(r"^step \d+ loss (\S+)$", result.stdout, re.MULTILINE)]
+    return result.stdout
+
+
+def printed_losses(stdout: str, prefix: str = "step") -> list[float]:
+    return [float(m.group(1)) for m in re.finditer(rf"^{prefix} \d+ loss (\S+)$", stdout, re.MULTILINE)]
+
+
+def test_the_megatron_ddp_example_trains_as_one_process() -> None:
+    printed = printed_losses(launched(MEGATRON_DDP))
     want = one_process_losses(load(MEGATRON_DDP), 2)
     assert len(printed) == len(want)
+    assert len(set(printed)) > 1  # it does train: the losses move
+    for got, expected in zip(printed, want, strict=True):
+        assert abs(got - expected) <= 1e-5 * abs(expected), (printed, want)
+
+
+def one_process_llama_losses(example: ModuleType, world: int, steps: int) -> list[float]:
+    """The Llama example's model and AdamW in one process, every rank's rows in one batch: the mean loss
+    over all tokens is the mean of the ranks' means (each rank holds as many tokens)."""
+    model = example.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=example.LR)
+    losses = []
+    for step in range(steps):
+        tokens = torch.cat([example.batch(step, rank) for rank in range(world)])
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_the_fsdp2_llama_example_trains_and_resumes_as_one_process(tmp_path: Path) -> None:
+    """Every step's loss, and those of the two steps after the DCP save and load into a fresh sharded
+    model (the second shows the optimizer state came back), equal one process training on, uninterrupted."""
+    pytest.importorskip("transformers")
+    stdout = launched(FSDP2_LLAMA, CHECKPOINT_DIR=str(tmp_path / "checkpoint"))
+    example = load(FSDP2_LLAMA)
+    printed = printed_losses(stdout) + printed_losses(stdout, "resumed step")
+    want = one_process_llama_losses(example, 2, example.STEPS + 2)
+    assert len(printed) == len(want) == example.STEPS + 2, stdout
     assert len(set(printed)) > 1  # it does train: the losses move
     for got, expected in zip(printed, want, strict=True):
         assert abs(got - expected) <= 1e-5 * abs(expected), (printed, want)
@@ -63,9 +110,12 @@ def code_block_after(heading: str, text: str) -> str:
     return section[start : section.index("```", start)]
 
 
-def test_the_readmes_quick_start_a_is_cut_from_the_example() -> None:
-    block = code_block_after("## Quick start A", (ROOT / "README.md").read_text())
-    lines = MEGATRON_DDP.read_text().splitlines()
+@pytest.mark.parametrize(
+    ("heading", "example"), [("## Quick start A", MEGATRON_DDP), ("## Quick start B", FSDP2_LLAMA)]
+)
+def test_the_readmes_quick_start_is_cut_from_its_example(heading: str, example: Path) -> None:
+    block = code_block_after(heading, (ROOT / "README.md").read_text())
+    lines = example.read_text().splitlines()
     one_level_out = [line.removeprefix("    ") for line in lines]
     paragraphs = [p.splitlines() for p in block.strip("\n").split("\n\n")]
     assert len(paragraphs) >= 3  # the imports, and the loop
@@ -75,4 +125,6 @@ def test_the_readmes_quick_start_a_is_cut_from_the_example() -> None:
             for source in (lines, one_level_out)
             for i in range(len(source))
         )
-        assert found, f"README's quick start A holds lines the example does not, in this order:\n{paragraph}"
+        assert found, (
+            f"README's {heading[3:]} holds lines {example.name} does not, in this order:\n{paragraph}"
+        )

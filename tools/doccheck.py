@@ -25,8 +25,12 @@ Checked in every README, CONTRIBUTING.md, benchmarks/RESULTS.md and docs/*.md (`
 
   (``Computed:`` for a model's predictions): a commit of this repository, a date, the device and torch.
   Figures quoted from another publication take a ``Source:`` line naming it instead.
-- No "issue N", "this session", "this change" or "spec ... §" in the docs, and no "spec ... §" citation in
-  the packages' Python: the rule is stated where it is used.
+- No "issue N", "the issue", "this session", "this change", "scratch script" or "spec ... §" in the docs,
+  nor in the Python the names are gathered from (``PY_GLOBS``) or constraints.txt: the docs and the code
+  state the fact or the rule itself, not how the project came to it.
+
+- A package's version quoted as ``gradsync-X 1.2.3`` (or ``gradsync-X>=1.2.3``) is its version or an
+  earlier one, and the front page's "Alpha (A to B)" spans the packages' lowest and highest major.minor.
 
 In the CHANGELOGs: one ``## Unreleased`` section at most, first, and every other section
 ``## X.Y.Z (YYYY-MM-DD)``.
@@ -156,6 +160,12 @@ WRAPPED_LINK = re.compile(r"!?\[[^\]]*\]\([^)\s]*$")
 """A link whose target runs past the end of its line: markdown breaks it, and the link check, reading one
 line at a time, would not see its target."""
 SPEC_CITATION = re.compile(r"\bspec\b[^\n]{0,20}§")
+PACKAGE_VERSION = re.compile(
+    r"\bgradsync-(groups|buffers|ddp|fsdp|finalize)\s?(?:[<>=~!]=?\s?)?(\d+\.\d+\.\d+)\b"
+)
+"""A version quoted for one package: ``gradsync-fsdp 0.3.0``, ``gradsync-buffers>=0.6.0``."""
+VERSION_RANGE = re.compile(r"\bAlpha \((\d+\.\d+) to (\d+\.\d+)\)")
+"""The front page's span of the packages' versions (major.minor)."""
 CHANGELOG_HEADING = re.compile(r"^## (?:Unreleased|\d+\.\d+\.\d+ \((20\d\d-\d\d-\d\d)\))$")
 
 
@@ -176,6 +186,7 @@ class Context:
     root: Path
     names: set[str] = field(default_factory=set)
     sessions: set[str] = field(default_factory=set)
+    versions: dict[str, tuple[int, ...]] = field(default_factory=dict)
     commits_checked: dict[str, bool] = field(default_factory=dict)
     flags_cache: dict[tuple[str, ...], frozenset[str]] = field(default_factory=dict)
 
@@ -184,6 +195,7 @@ class Context:
         ctx = cls(root)
         ctx.names = project_names(root) | torch_names() | listed_names(root / NAMES_FILE)
         ctx.sessions = nox_sessions(root)
+        ctx.versions = package_versions(root)
         return ctx
 
     def commit_exists(self, commit: str) -> bool:
@@ -220,6 +232,17 @@ class Context:
 
 
 # --- what exists --------------------------------------------------------------------------------------
+
+
+def package_versions(root: Path) -> dict[str, tuple[int, ...]]:
+    """Each package's version (``gradsync-ddp`` -> ``ddp``), from its ``version.py``, which hatchling
+    reads into the wheel's metadata."""
+    versions = {}
+    for path in sorted(root.glob("packages/gradsync-*/src/gradsync/*/version.py")):
+        found = re.search(r'__version__ = "(\d+(?:\.\d+)*)"', path.read_text())
+        if found:
+            versions[path.parent.name] = tuple(int(part) for part in found.group(1).split("."))
+    return versions
 
 
 def project_names(root: Path) -> set[str]:
@@ -377,12 +400,34 @@ def check_doc(ctx: Context, rel: str, text: str) -> list[Problem]:
     problems += check_flags(ctx, rel, lines)
     problems += check_links(ctx, rel, lines)
     problems += check_provenance(ctx, rel, lines)
+    problems += check_versions(ctx, rel, lines)
     problems += [
         Problem(rel, line.number, f"says {m.group(0)!r}: state the fact or rule itself")
         for line in lines
         for m in FORBIDDEN.finditer(line.text)
     ]
     return problems
+
+
+def check_versions(ctx: Context, rel: str, lines: list[Line]) -> Iterator[Problem]:
+    """A quoted package version exists (the package's own or an earlier one), and the front page's span
+    of versions is the packages' lowest and highest major.minor."""
+    minors = sorted({version[:2] for version in ctx.versions.values()})
+    span = tuple(".".join(map(str, v)) for v in (minors[0], minors[-1])) if minors else None
+    for line in lines:
+        for match in PACKAGE_VERSION.finditer(line.text):
+            have = ctx.versions.get(match.group(1))
+            quoted = tuple(int(part) for part in match.group(2).split("."))
+            if have is not None and quoted > have:
+                current = ".".join(map(str, have))
+                yield Problem(
+                    rel, line.number, f"{match.group(0)!r}: gradsync-{match.group(1)} is at {current}"
+                )
+        for match in VERSION_RANGE.finditer(line.text):
+            if span is not None and (match.group(1), match.group(2)) != span:
+                yield Problem(
+                    rel, line.number, f"{match.group(0)!r}: the packages span {span[0]} to {span[1]}"
+                )
 
 
 def check_names(ctx: Context, rel: str, lines: list[Line]) -> Iterator[Problem]:
@@ -591,12 +636,22 @@ def check_changelog(rel: str, text: str) -> Iterator[Problem]:
         first = False
 
 
-def check_python_citations(root: Path) -> Iterator[Problem]:
-    for pattern in ("packages/*/src/**/*.py", "packages/*/tests/*.py"):
-        for path in sorted(root.glob(pattern)):
-            for number, line in enumerate(path.read_text().splitlines(), start=1):
-                if SPEC_CITATION.search(line):
-                    yield Problem(str(path.relative_to(root)), number, "cites a spec section: state the rule")
+def check_sources(root: Path) -> Iterator[Problem]:
+    """The code and the pins speak of the project, not of how it was made: no spec citation, none of the
+    docs' forbidden words (``FORBIDDEN``)."""
+    paths: list[Path] = []
+    for pattern in (*PY_GLOBS, "constraints.txt"):
+        paths += sorted(p for p in root.glob(pattern) if p not in paths)
+    for path in paths:
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if SPEC_CITATION.search(line):
+                yield Problem(str(path.relative_to(root)), number, "cites a spec section: state the rule")
+            for match in FORBIDDEN.finditer(line):
+                yield Problem(
+                    str(path.relative_to(root)),
+                    number,
+                    f"says {match.group(0)!r}: state the fact or rule itself",
+                )
 
 
 # --- entry points ---------------------------------------------------------------------------------------
@@ -622,7 +677,7 @@ def check(
     if paths is None:
         for path in sorted(root.glob(CHANGELOG_GLOB)):
             problems += check_changelog(str(path.relative_to(root)), path.read_text())
-        problems += check_python_citations(root)
+        problems += check_sources(root)
     return problems
 
 

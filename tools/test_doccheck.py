@@ -96,6 +96,13 @@ PLANTS = [
         'says "the issue\'s"',
     ),
     ("docs/performance.md", "(a one-off timing script,", "(a scratch script,", "says 'scratch script'"),
+    ("README.md", "Alpha (0.2 to 0.6)", "Alpha (0.2 to 0.5)", "the packages span 0.2 to 0.6"),
+    (
+        "docs/checkpoints.md",
+        "gradsync-fsdp 0.3.0 and earlier",
+        "gradsync-fsdp 9.3.0 and earlier",
+        "'gradsync-fsdp 9.3.0': gradsync-fsdp is at",
+    ),
     (
         "docs/performance.md",
         "([how the benchmarks measure](#how-the-benchmarks-measure);",
@@ -120,3 +127,21 @@ def test_changelog_sections() -> None:
     bad = "# Changelog\n\n## 0.3.0 (unreleased)\n\n## Unreleased\n\n## 0.2.0\n"
     found = [str(p) for p in doccheck.check_changelog("CHANGELOG.md", bad)]
     assert len(found) == 3, found  # the undated 0.3.0, the late Unreleased, the undated 0.2.0
+
+
+@pytest.mark.parametrize(
+    ("path", "text", "expected"),
+    [
+        ("benchmarks/bench.py", '"""The benchmark (issue 30)."""\n', "says 'issue 30'"),
+        ("packages/gradsync-ddp/src/gradsync/ddp/x.py", "# the issue's targets\n", 'says "the issue\'s"'),
+        ("constraints.txt", "# what this session pins\n", "says 'this session'"),
+    ],
+)
+def test_sources_speak_of_the_project(tmp_path: Path, path: str, text: str, expected: str) -> None:
+    """The forbidden words are looked for in the code and the pins too, not only in the docs."""
+    (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / path).write_text(text)
+    found = [str(problem) for problem in doccheck.check_sources(tmp_path)]
+    assert any(f"{path}:1: {expected}" in message for message in found), found
+    (tmp_path / path).write_text(text.replace("issue", "benchmark").replace("session", "file"))
+    assert not list(doccheck.check_sources(tmp_path))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,9 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gradsync.buffers import DistributedDataParallelConfig
-from gradsync.fsdp import MegatronFSDP, MixedPrecisionPolicy
+from gradsync.fsdp import MegatronFSDP, MixedPrecisionPolicy, fully_shard
 from gradsync.groups import FSDPDistributedIndex
 from gradsync.groups.testing import test_device
 from gradsync.groups.testing.devices import backend_for, requested_device
@@ -129,6 +131,46 @@ def shard_index(outer: int = 1, outer_strategy: str = "no_shard") -> FSDPDistrib
         hsdp_outer_dp_shard=outer_strategy == "optim",
         device_type=test_device().type,
     )
+
+
+@dataclass
+class MeshWrapped:
+    """A TinyTransformer wrapped by Megatron-FSDP's ``fully_shard`` over a caller's mesh."""
+
+    model: MegatronFSDP
+    optimizer: torch.optim.Optimizer
+    mesh: DeviceMesh
+    hybrid: dist.ProcessGroup | None
+
+    @classmethod
+    def build(
+        cls,
+        sizes: tuple[int, int, int],
+        strategy: int,
+        outer_strategy: int | None,
+        optimizer: Callable[[Any], torch.optim.Optimizer],
+        **kwargs: Any,
+    ) -> MeshWrapped:
+        """Over an ``(outer, shard, tp)`` mesh of ``sizes``, HSDP when ``outer_strategy`` is given (the
+        outer and shard dims flattened into the hybrid group), units at each Block; ``kwargs`` go to
+        ``fully_shard``."""
+        mesh = init_device_mesh(test_device().type, sizes, mesh_dim_names=("outer", "shard", "tp"))
+        hybrid = mesh["outer", "shard"]._flatten("hsdp").get_group() if outer_strategy is not None else None
+        module = TinyTransformer()
+        model, stepper = fully_shard(
+            module,
+            optimizer(module.parameters()),
+            device_mesh=mesh,
+            dp_shard_dim="shard",
+            dp_outer_dim="outer" if outer_strategy is not None else None,
+            tp_dim="tp",
+            hybrid_fsdp_group=hybrid,
+            fsdp_unit_modules=[Block],
+            zero_dp_strategy=strategy,
+            outer_dp_sharding_strategy=outer_strategy or 0,
+            **kwargs,
+        )
+        return cls(model, stepper, mesh, hybrid)
 
 
 def wrap(

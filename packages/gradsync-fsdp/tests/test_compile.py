@@ -10,6 +10,7 @@ import torch.distributed as dist
 from fsdp_testkit import (
     STRATEGIES,
     Block,
+    MeshWrapped,
     TinyTransformer,
     full_weights,
     local_microbatches,
@@ -18,10 +19,9 @@ from fsdp_testkit import (
     reference_training,
 )
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
-from gradsync.fsdp import fully_shard, fully_shard_model, fully_shard_optimizer
-from gradsync.groups.testing import run_distributed, test_device
+from gradsync.fsdp import fully_shard_model, fully_shard_optimizer
+from gradsync.groups.testing import run_distributed
 
 STEPS = 3
 
@@ -88,23 +88,8 @@ def compiled_over_meshes_in_a_row(strategy: int) -> list[dict[str, torch.Tensor]
     steps on the batch rows of this rank's data-parallel position; the weights of each."""
     results = []
     for (outer, shard, tp), outer_strategy in MESHES:
-        mesh = init_device_mesh(
-            test_device().type, (outer, shard, tp), mesh_dim_names=("outer", "shard", "tp")
-        )
-        hybrid = mesh["outer", "shard"]._flatten("hsdp").get_group() if outer_strategy is not None else None
-        module = TinyTransformer()
-        model, optimizer = fully_shard(
-            module,
-            make_optimizer(module.parameters()),
-            device_mesh=mesh,
-            dp_shard_dim="shard",
-            dp_outer_dim="outer" if outer_strategy is not None else None,
-            tp_dim="tp",
-            hybrid_fsdp_group=hybrid,
-            fsdp_unit_modules=[Block],
-            zero_dp_strategy=strategy,
-            outer_dp_sharding_strategy=outer_strategy or 0,
-        )
+        wrapped = MeshWrapped.build((outer, shard, tp), strategy, outer_strategy, make_optimizer)
+        model, optimizer, mesh = wrapped.model, wrapped.optimizer, wrapped.mesh
         compiled = torch.compile(model, backend="aot_eager")
         position = mesh.get_local_rank("outer") * shard + mesh.get_local_rank("shard")
         for step in range(2):

@@ -184,7 +184,7 @@ def test_torchtitan_loop_matches_one_process_and_torch(
     [("no_shard", (Replicate(), Shard(0))), ("optim", (Shard(0), Shard(0)))],
 )
 def test_hsdp_mesh_matches_one_process_and_torch(outer: str, placements: tuple[Any, ...]) -> None:
-    """A (replicate 2, shard 2) mesh: torch's HSDP, and the issue's per-axis placement (ZeRO-1 over the
+    """A (replicate 2, shard 2) mesh: torch's HSDP, and a per-axis placement (ZeRO-1 over the
     outer axis, ZeRO-3 inside) through gradsync's ``outer_dp_sharding_strategy``; torch runs plain HSDP,
     which computes the same weights."""
     results = run_distributed(

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from fsdp_testkit import (
-    Block,
+    MeshWrapped,
     TinyTransformer,
     full_weights,
     global_batch,
@@ -18,10 +18,9 @@ from fsdp_testkit import (
     max_relative_difference,
     named_weights,
 )
-from torch.distributed.device_mesh import init_device_mesh
 
-from gradsync.fsdp import MixedPrecisionPolicy, fully_shard
-from gradsync.groups.testing import run_distributed, test_device
+from gradsync.fsdp import MixedPrecisionPolicy
+from gradsync.groups.testing import run_distributed
 
 MICROBATCHES = 3
 LR = 0.1
@@ -39,25 +38,15 @@ def reference(world: int) -> dict[str, torch.Tensor]:
 def megatron_style_loop(strategy: int, outer: int | None, main_params: bool) -> dict[str, torch.Tensor]:
     world = dist.get_world_size()
     outer_size = 1 if outer is None else 2
-    mesh = init_device_mesh(
-        test_device().type, (outer_size, world // outer_size, 1), mesh_dim_names=("outer", "shard", "tp")
-    )
-    hybrid = mesh["outer", "shard"]._flatten("hsdp").get_group() if outer is not None else None
-    module = TinyTransformer()
-    model, optimizer = fully_shard(
-        module,
-        torch.optim.SGD(module.parameters(), lr=LR),
-        device_mesh=mesh,
-        dp_shard_dim="shard",
-        dp_outer_dim="outer" if outer is not None else None,
-        tp_dim="tp",
-        hybrid_fsdp_group=hybrid,
-        fsdp_unit_modules=[Block],
-        zero_dp_strategy=strategy,
-        outer_dp_sharding_strategy=outer or 0,
+    wrapped = MeshWrapped.build(
+        (outer_size, world // outer_size, 1),
+        strategy,
+        outer,
+        lambda params: torch.optim.SGD(params, lr=LR),
         mixed_precision_policy=MixedPrecisionPolicy(main_params_dtype=torch.float32 if main_params else None),
         report_nan_in_param_grad=True,
     )
+    model, optimizer, mesh, hybrid = wrapped.model, wrapped.optimizer, wrapped.mesh, wrapped.hybrid
     sharding_group = hybrid if outer == 1 else mesh["shard"].get_group()
     batches = local_microbatches(0, dist.get_rank(), world, MICROBATCHES)
     for step, batch in enumerate(batches):

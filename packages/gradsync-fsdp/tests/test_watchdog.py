@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from fsdp_testkit import Block, TinyTransformer, local_microbatches
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from gradsync.buffers import (
     CollectiveHangError,
@@ -20,7 +22,7 @@ from gradsync.buffers import (
     start_hang_watchdog,
     stop_hang_watchdog,
 )
-from gradsync.fsdp import MegatronFSDP
+from gradsync.fsdp import MegatronFSDP, fsdp2
 from gradsync.groups import FSDPDistributedIndex
 from gradsync.groups.testing import run_distributed, test_device
 
@@ -37,9 +39,24 @@ def watched_model(strategy: str, threshold: float = THRESHOLD) -> tuple[Megatron
         config,
         fsdp_unit_modules=[Block],
     )
+    return model, watching(model, threshold)
+
+
+def watched_fsdp2_model() -> tuple[nn.Module, HangWatchdog]:
+    """A TinyTransformer sharded by the FSDP2-style API (a unit per block) over a mesh of its own, and a
+    running watchdog."""
+    model = TinyTransformer()
+    mesh = init_device_mesh(test_device().type, (dist.get_world_size(),))
+    for block in model.blocks:
+        fsdp2.fully_shard(block, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    return model, watching(fsdp2.megatron_fsdp_of(model), THRESHOLD)
+
+
+def watching(model: MegatronFSDP, threshold: float) -> HangWatchdog:
     guard = start_hang_watchdog(threshold, models=[model])
     time.sleep(3 * guard.interval_s)
-    return model, guard
+    return guard
 
 
 def report_seen(guard: HangWatchdog) -> str:
@@ -117,18 +134,23 @@ def test_healthy_steps_raise_nothing(path: collectives.ReduceScatterPath | None)
 
 
 def uneven_accumulation(strategy: str) -> str:
-    """Rank 0 accumulates three microbatches, rank 1 two (all but the last under no_sync()). Under ZeRO-2
-    and ZeRO-3 each microbatch communicates, so rank 0's third one waits for a rank that went on to
+    """Rank 0 accumulates three microbatches, rank 1 two (all but the last under no_sync(), or through the
+    FSDP2-style API with gradient sync off). Under ZeRO-2 and ZeRO-3 each microbatch communicates, so rank 0's third one waits for a rank that went on to
     finish_grad_sync(), whose vote waits for rank 0. No rank can know before: only a collective per
     microbatch would tell the others how many are left. What each rank raised, or its reduced grads."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, _ = watched_model(strategy)
+    model = watched_fsdp2_model()[0] if strategy == "fsdp2" else watched_model(strategy)[0]
     micro = 3 - rank
     try:
         for index, batch in enumerate(local_microbatches(0, rank, world, micro)):
-            with model.no_sync() if index < micro - 1 else contextlib.nullcontext():
+            if isinstance(model, MegatronFSDP):
+                with model.no_sync() if index < micro - 1 else contextlib.nullcontext():
+                    (model(batch) / micro).backward()
+            else:  # a torch-style loop: the last backward syncs
+                model.set_requires_gradient_sync(index == micro - 1)  # type: ignore[operator]
                 (model(batch) / micro).backward()
-        model.finish_grad_sync()
+        if isinstance(model, MegatronFSDP):
+            model.finish_grad_sync()
     except CollectiveHangError as error:
         return str(error)
     finally:
@@ -138,7 +160,7 @@ def uneven_accumulation(strategy: str) -> str:
     return repr([bucket.grad.sum().item() for bucket in model.buckets if bucket.grad is not None])
 
 
-@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params", "fsdp2"])
 def test_uneven_accumulation_names_both_ranks_and_what_they_wait_in(strategy: str) -> None:
     """The hang is named on both ranks: the one still accumulating, and the one waiting in the step's vote
     (the vote's wait is watched as the data collectives' are, so that rank raises too)."""
