@@ -6,11 +6,13 @@ bucket group and (where the culprit knows) the params it is missing; every run i
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 from ddp_testkit import TinyGPT, Trainer, local_microbatches, make_optimizer
 
@@ -20,7 +22,7 @@ from gradsync.buffers import (
     start_hang_watchdog,
     stop_hang_watchdog,
 )
-from gradsync.ddp import DistributedDataParallel
+from gradsync.ddp import DistributedDataParallel, DistributedOptimizer
 from gradsync.groups import ModelParallelConfig, initialize_model_parallel
 from gradsync.groups.testing import run_distributed
 
@@ -106,3 +108,39 @@ def test_the_waiting_rank_names_the_culprit(kind: str) -> None:
         assert report in culprit_saw
     if kind == "unused_param":  # and raised its own error naming what it misses
         assert "Communication call has not been issued" in culprit_saw
+
+
+def forward_alone() -> str:
+    """After a distributed-optimizer step with overlapped param gathers, rank 0 alone runs an evaluation
+    forward: its pre-hooks wait for each bucket group's gather and start the next one's, which rank 1 never
+    starts. What rank 0 raised."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = initialize_model_parallel()  # the gather left hanging must not block the harness's barrier
+    model = TinyGPT()
+    config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=4000
+    )
+    ddp = DistributedDataParallel(ModelParallelConfig(), config, model, pg_collection=groups)
+    trainer = Trainer(model, ddp, DistributedOptimizer(make_optimizer("adam", ddp.parameters()), ddp))
+    trainer.step(0, rank, world, 1)
+    guard = start_hang_watchdog(THRESHOLD, models=[ddp])
+    time.sleep(3 * guard.interval_s)
+    if rank == 1:
+        wait_for_report(guard)
+        stop_hang_watchdog()
+        return ""
+    try:
+        ddp.eval()
+        with torch.no_grad():
+            ddp(local_microbatches(1, rank, world, 1)[0])
+    except CollectiveHangError as error:
+        return str(error)
+    finally:
+        stop_hang_watchdog()
+    raise AssertionError("an evaluation forward on rank 0 alone returned")
+
+
+def test_a_forward_on_one_rank_names_the_param_gather_and_the_missing_rank() -> None:
+    report, _ = run_distributed(forward_alone, 2, reuse=False, timeout=90)
+    assert re.search(r"in collective #\d+ \(\S+ all_gather\)", report), report
+    assert "Culprit rank(s) [1]: they have not launched it" in report, report

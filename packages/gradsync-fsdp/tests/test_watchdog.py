@@ -185,16 +185,18 @@ def test_uneven_accumulation_without_a_collective_per_microbatch_syncs_once(stra
 
 
 def collective_called_on_rank_zero(call: str) -> str:
-    """Rank 0 alone calls a collective API (``full_state_dict()``, or an evaluation forward under ZeRO-3);
-    rank 1 waits for the watchdog's report. What rank 0 raised."""
+    """Rank 0 alone calls a collective API (``full_state_dict()``, or an evaluation forward under ZeRO-3,
+    MegatronFSDP's or the FSDP2-style API's); rank 1 waits for the watchdog's report. What rank 0 raised."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, guard = watched_model("optim_grads_params")
+    model, guard = (
+        watched_fsdp2_model() if call == "fsdp2_eval_forward" else watched_model("optim_grads_params")
+    )
     if rank == 1:
         report_seen(guard)
         return ""
     try:
         if call == "full_state_dict":
-            model.full_state_dict()
+            model.full_state_dict()  # type: ignore[operator]
         else:
             model.eval()
             with torch.no_grad():
@@ -206,7 +208,7 @@ def collective_called_on_rank_zero(call: str) -> str:
     raise AssertionError(f"{call} on rank 0 alone returned")
 
 
-@pytest.mark.parametrize("call", ["full_state_dict", "eval_forward"])
+@pytest.mark.parametrize("call", ["full_state_dict", "eval_forward", "fsdp2_eval_forward"])
 def test_a_collective_api_called_on_one_rank_names_the_gather_and_the_missing_rank(call: str) -> None:
     report, _ = run_distributed(collective_called_on_rank_zero, 2, args=(call,), reuse=False, timeout=90)
     assert re.search(r"in collective #\d+ \(fsdp\.bucket\d+ all_gather\)", report), report
