@@ -3,7 +3,8 @@ ZeRO-1/2/3 on the same model, batch and ranks. Step times come from bench_ab.py:
 interleaved in the same processes (so the machine's drift touches all alike), as ratios to the compute
 floor measured in the same processes, over ``--repeats`` fresh jobs (median and spread). Peak memory and
 wire bytes come from each system run alone in its own processes (bench_worker.py), where peak RSS is that
-system's. Writes benchmarks/RESULTS.md (one table, with the commit and versions) and results.png.
+system's. Writes every figure to benchmarks/results.json, then renders RESULTS.md, results.png and the
+blocks of the README and docs/performance.md that quote them (bench_report.py).
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ import importlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+import bench_report
 
 HERE = Path(__file__).resolve().parent
 MUON_SUFFIXES = {"+muon": "float32", "+muon-bf16": "bfloat16"}
@@ -44,15 +49,6 @@ PEERS = [
     "deepspeed-zero2",
     "deepspeed-zero3",
 ]
-TARGETS = [  # (system, peer, at most this ratio of the peer's step time): the targets
-    ("gradsync-fsdp-no_shard", "gradsync-ddp+overlap", 1.0),
-    ("gradsync-fsdp-optim", "gradsync-ddp+distopt", 1.0),
-    ("gradsync-fsdp-no_shard", "torch-ddp", 1.0),
-    ("gradsync-fsdp-optim", "torch-ddp", 1.0),
-    ("gradsync-fsdp-optim", "deepspeed-zero1", 1.0),
-    ("gradsync-fsdp-optim_grads", "deepspeed-zero2", 1.0),
-    ("gradsync-fsdp-optim_grads_params", "torch-fsdp2", 0.90),
-]
 
 
 def launch(system: str, nproc: int, extra: list[str]) -> Result:
@@ -63,24 +59,52 @@ def launch(system: str, nproc: int, extra: list[str]) -> Result:
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(HERE.parent / "integration"),
     }
-    done = subprocess.run(
+    job = subprocess.Popen(
         [*command, str(HERE / "bench_worker.py"), "--system", system, *extra],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env=env,
-        timeout=900,
-        check=False,
+        start_new_session=True,  # its own process group, so a stuck rank can be killed with the launcher
     )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
+    # A rank has been seen stuck in gloo's teardown after its result line while the other had exited: the
+    # job then gets a minute to end after that line (and 15 in all) before it is killed.
+    deadline = threading.Timer(900, os.killpg, (job.pid, signal.SIGKILL))
+    deadline.start()
+    assert job.stdout is not None
+    lines = []
+    for line in job.stdout:
+        lines.append(line)
+        if line.startswith("RESULT "):
+            break
+    try:
+        stdout, stderr = job.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        stdout, stderr = job.communicate()
+        print(f"{system}: killed a minute after its result line (stuck in teardown)", flush=True)
+    deadline.cancel()
+    results = [line for line in [*lines, *stdout.splitlines()] if line.startswith("RESULT ")]
+    if not results:
         raise SystemExit(
-            f"{system} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+            f"{system} failed (exit {job.returncode}):\n{''.join(lines)[-3000:]}\n{stderr[-5000:]}"
         )
-    if done.returncode != 0:  # measured, then crashed in teardown (seen once with torch FSDP2: SIGABRT)
-        print(f"{system}: exit {done.returncode} after its result line; the result is used", flush=True)
-    result: Result = json.loads(lines[-1].removeprefix("RESULT "))
+    if job.returncode != 0:  # measured, then crashed in teardown (seen once with torch FSDP2: SIGABRT)
+        print(f"{system}: exit {job.returncode} after its result line; the result is used", flush=True)
+    result: Result = json.loads(results[-1].removeprefix("RESULT "))
     print(f"{system:>45}: {1000 * result['step_s']:7.1f} ms/step", flush=True)
     return result
+
+
+def version(name: str) -> str:
+    """The version of the code that runs: a gradsync package's own ``__version__`` (an editable install's
+    metadata keeps the version it was installed at), else the distribution's."""
+    if name.startswith("gradsync-"):
+        return str(importlib.import_module(name.replace("-", ".")).__version__)
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def machine() -> str:
@@ -98,16 +122,6 @@ def machine() -> str:
         if line.startswith("MemTotal")
     )
 
-    def version(name: str) -> str:
-        """The version of the code that runs: a gradsync package's own ``__version__`` (an editable
-        install's metadata keeps the version it was installed at), else the distribution's."""
-        if name.startswith("gradsync-"):
-            return str(importlib.import_module(name.replace("-", ".")).__version__)
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-
     return (
         f"{cpu}, {os.cpu_count()} cores, {int(memory) / 2**20:.0f} GiB RAM, no GPU; "
         f"Linux {platform.release()}; "
@@ -121,143 +135,41 @@ def muon_suffix(system: str) -> str:
     return next((suffix for suffix in MUON_SUFFIXES if system.endswith(suffix)), "")
 
 
-def ring_minimum(param_bytes: float, world: int) -> float:
-    """Bytes each rank must send to sum the grads across ``world`` ranks (ring all-reduce, or
-    reduce-scatter + all-gather): 2 (p - 1) / p of the grads."""
-    return 2 * (world - 1) / world * param_bytes
+def device() -> str:
+    """The machine in a few words, for the ``Measured:`` lines: ``2-core Intel Xeon CPU (no GPU)``."""
+    name = machine().split(",", 1)[0]
+    for noise in ("(R)", "(TM)", "Processor", "CPU"):
+        name = name.replace(noise, "")
+    name = " ".join(name.split("@", 1)[0].split())
+    return f"{os.cpu_count()}-core {name} CPU (no GPU)"
 
 
-MEMORY_PEERS = {  # each gradsync strategy against the peers that shard as much
-    "gradsync-ddp": ["torch-ddp"],
-    "gradsync-ddp+overlap": ["torch-ddp"],
-    "gradsync-fsdp-no_shard": ["torch-ddp"],
-    "gradsync-ddp+distopt": ["deepspeed-zero1"],
-    "gradsync-ddp+distopt+overlap-param-gather": ["deepspeed-zero1"],
-    "gradsync-fsdp-optim": ["deepspeed-zero1"],
-    "gradsync-fsdp-optim_grads": ["deepspeed-zero2", "torch-fsdp2-no-reshard"],
-    "gradsync-fsdp-optim_grads_params": ["torch-fsdp2", "deepspeed-zero3"],
-    "gradsync-fsdp-optim_grads_params+double-buffer": ["torch-fsdp2", "deepspeed-zero3"],
-}
-
-
-def write_results(
-    times: dict[str, dict[str, float]], rows: dict[str, Result], floor: Result, args: argparse.Namespace
-) -> Path:
-    """One table: step times from the interleaved runs (``times``, bench_ab's summary), wire bytes and
-    peak RSS from the runs alone (``rows``); then the targets, met or not."""
+def results(
+    times: dict[str, dict[str, float]], alone: dict[str, Result], args: argparse.Namespace
+) -> bench_report.Results:
+    """Everything bench_report renders, with where and what it ran on."""
     from bench_ab import commit
 
-    world = args.nproc
-    lines = [
-        "# Benchmarks: gradsync vs torch DDP, torch FSDP2 and DeepSpeed ZeRO",
-        "",
-        f"Written by `nox -s bench` (benchmarks/bench.py) at commit {commit()}. Machine: {machine()}.",
-        "",
-        f"Measured: commit {commit()}, {datetime.date.today().isoformat()}, {machine()}",
-        "",
-        f"Model: the integration toy GPT, {floor['params'] / 1e6:.2f}M params (d_model {args.d_model}, "
-        f"{args.n_layer} layers, seq {args.seq_len}), fp32, AdamW. {world} gloo ranks with one thread each, "
-        f"8 sequences per rank per step; buckets of {args.bucket_mb} MiB wherever a system has them.",
-        "",
-        "- **step / floor**: every system's steps interleaved in the same processes (rounds of one step of "
-        "each, a barrier before each step, each round starting one system further on), so a drift of the "
-        "machine's speed touches all alike; a step's time is its slowest rank's. The median over "
-        f"{args.steps} rounds (after 3 warm-up rounds) of a system's step over the compute floor's in the "
-        "same round (the same model and per-rank batch in the same processes, no wrapper, no "
-        f"communication). The median over {args.repeats} such jobs in fresh processes, and their spread "
-        "(lowest-highest).",
-        "- **wire / ring min**: bytes each rank wrote to its sockets per step (`wchar` in /proc/self/io; "
-        "gloo sends over TCP) over the ring minimum for summing the grads, 2(p-1)/p x param bytes "
-        f"= {ring_minimum(floor['param_bytes'], world) / 2**20:.1f} MiB; and **peak RSS / floor**, the "
-        "largest rank's peak resident memory over the floor's (one rank): both from each system run alone "
-        "in its own processes, where peak RSS is that system's.",
-        "",
-        "| system | ms/step | step / floor | spread over repeats | wire MiB/step | wire / ring min | "
-        "peak RSS MiB | peak RSS / floor |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for system, timing in times.items():
-        row = rows.get(system, floor)
-        wire = row["wire_bytes_per_step"]
-        ring = ring_minimum(row["param_bytes"], world) if system != "floor" else 0.0
-        lines.append(
-            f"| {system} | {1000 * timing['step_s']:.1f} | {timing['ratio']:.3f}x | "
-            f"{timing['ratio_lo']:.3f}-{timing['ratio_hi']:.3f} | {wire / 2**20:.1f} | "
-            f"{wire / ring if ring else 0:.2f}x | {row['peak_rss_bytes'] / 2**20:.0f} | "
-            f"{row['peak_rss_bytes'] / floor['peak_rss_bytes']:.2f}x |"
-        )
-    lines += ["", "Targets, step times as ratios in the same interleaved runs:", ""]
-    for system, peer, bound in TARGETS:
-        if system in times and peer in times:
-            ratio = times[system]["ratio"] / times[peer]["ratio"]
-            verdict = "met" if ratio <= bound else "missed"
-            lines.append(
-                f"- {system} {times[system]['ratio']:.3f}x against {peer} {times[peer]['ratio']:.3f}x: "
-                f"{ratio:.3f} of it (target <= {bound:.2f}): {verdict}"
-            )
-    for system, peers in MEMORY_PEERS.items():
-        present = [p for p in peers if p in rows]
-        if system in rows and present:
-            mine = rows[system]["peak_rss_bytes"]
-            worst = min(rows[p]["peak_rss_bytes"] for p in present)
-            verdict = "met" if mine <= worst else "missed"
-            lines.append(
-                f"- peak RSS of {system} {mine / 2**20:.0f} MiB against {', '.join(present)} "
-                f"(lowest {worst / 2**20:.0f} MiB): {verdict}"
-            )
-    lines += [
-        "",
-        "Reading the wire column: gloo's `reduce_scatter_tensor` all-reduces and keeps its part, so it "
-        "sends as many bytes as an all-reduce (measured: 1.0x the bucket at 2 ranks, 1.5x at 4, vs "
-        "(p-1)/p for NCCL). Every ZeRO strategy here therefore pays reduce-scatter at all-reduce price "
-        "plus the param all-gather: 1.5x the ring minimum at 2 ranks, where NCCL would give 1.0x. ZeRO-3 "
-        "(FSDP2, gradsync's fsdp-optim_grads_params, DeepSpeed ZeRO-3) also gathers the params again for "
-        "backward: about 2.0x. gradsync keeps the last block gathered from its forward into the backward, "
-        "one block's gather less per step. DeepSpeed ZeRO-3 keeps params below its "
-        "stage3_param_persistence_threshold unsharded, which lowers its wire bytes and raises its memory.",
-        "",
-        "Allocators: fsdp-optim_grads_params+double-buffer is the same ZeRO-3 with `fsdp_double_buffer`, "
-        "two persistent block-sized buffers per kind lent from block to block instead of buffers "
-        "allocated per gather and per backward; its peak RSS next to fsdp-optim_grads_params is what the "
-        "allocator changes in memory. It also serialises more: a grad waits for the oldest reduction to "
-        "free a buffer, and prefetch stops while two blocks hold both.",
-    ]
-    png = plot(HERE / "results.png", times)
-    if png:
-        lines += ["", f"![step time over the floor]({png.name})"]
-    path = HERE / "RESULTS.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def plot(path: Path, times: dict[str, dict[str, float]]) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    names = [name for name in times if name != "floor"]
-    ratios = [times[n]["ratio"] for n in names]
-    spread = [
-        [times[n]["ratio"] - times[n]["ratio_lo"] for n in names],
-        [times[n]["ratio_hi"] - times[n]["ratio"] for n in names],
-    ]
-    colours = ["tab:blue" if n.startswith("gradsync") else "tab:gray" for n in names]
-    fig, ax = plt.subplots(figsize=(10, 5))
-    ax.barh(names, ratios, xerr=spread, color=colours)
-    ax.axvline(1.0, color="black", linewidth=1, label="compute floor")
-    ax.set(
-        xlabel="step time / compute floor, interleaved (lower is better)",
-        title="fp32 GPT step time, gloo on CPU",
-    )
-    ax.invert_yaxis()
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    run = {
+        "commit": commit(),
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "device": device(),
+        "torch": version("torch"),
+        "versions": {name: version(name) for name in ("gradsync-ddp", "gradsync-fsdp")},
+        "world": args.nproc,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "bucket_mb": args.bucket_mb,
+        "model": {
+            "params": alone["floor"]["params"],
+            "d_model": args.d_model,
+            "n_layer": args.n_layer,
+            "seq_len": args.seq_len,
+            "batch_per_rank": args.batch_per_rank,
+        },
+    }
+    return {"run": run, "times": times, "alone": alone}
 
 
 def main() -> None:
@@ -270,7 +182,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--memory-steps", type=int, default=5, help="steps of each run alone (peak RSS)")
     parser.add_argument("--bucket-mb", type=int, default=4)
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="measure nothing: write RESULTS.md, results.png and the docs' blocks from results.json again",
+    )
     args = parser.parse_args()
+    root = HERE.parent
+    if args.render:
+        print("written:", *bench_report.write(root, bench_report.load()))
+        return
     args.batch_per_rank, args.seq_len, args.d_model, args.n_layer = 8, 128, 256, 6  # bench_ab's model
     timed = argparse.Namespace(
         nproc=args.nproc,
@@ -282,9 +203,13 @@ def main() -> None:
     times = summarise(run_repeats(timed, args.bucket_mb))
     print("step times (interleaved):", json.dumps({k: round(v["ratio"], 3) for k, v in times.items()}))
     extra = [f"--bucket-mb={args.bucket_mb}", "--warmup=2", f"--steps={args.memory_steps}"]
-    floor = launch("floor", 1, extra)
-    rows = {system: launch(system, args.nproc, extra) for system in args.systems}
-    print(f"results: {write_results(times, rows, floor, args)}")
+    alone = {"floor": launch("floor", 1, extra)}
+    alone |= {system: launch(system, args.nproc, extra) for system in args.systems}
+    data = results(times, alone, args)
+    if data["run"]["commit"].endswith("+dirty"):
+        print("the tree has uncommitted changes: the figures name no commit that ran", flush=True)
+    bench_report.RESULTS_JSON.write_text(json.dumps(data, indent=1) + "\n")
+    print("written:", bench_report.RESULTS_JSON, *bench_report.write(root, data))
 
 
 if __name__ == "__main__":

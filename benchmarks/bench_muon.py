@@ -19,8 +19,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench import MUON_SUFFIXES, launch, muon_suffix, ring_minimum  # noqa: E402
+from bench import MUON_SUFFIXES, launch, muon_suffix  # noqa: E402
 from bench_ab import commit, paired_ratio, run_repeats  # noqa: E402
+from bench_report import ring_minimum  # noqa: E402
 
 STRATEGIES = ["gradsync-ddp+distopt", "gradsync-fsdp-optim", "gradsync-fsdp-optim_grads_params"]
 

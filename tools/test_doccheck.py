@@ -96,7 +96,7 @@ PLANTS = [
         'says "the issue\'s"',
     ),
     ("docs/performance.md", "(a one-off timing script,", "(a scratch script,", "says 'scratch script'"),
-    ("README.md", "Alpha (0.2 to 0.6)", "Alpha (0.2 to 0.5)", "the packages span 0.2 to 0.6"),
+    ("README.md", "Alpha (0.2 to 0.7)", "Alpha (0.2 to 0.5)", "the packages span 0.2 to 0.7"),
     (
         "docs/checkpoints.md",
         "gradsync-fsdp 0.3.0 and earlier",
