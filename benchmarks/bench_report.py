@@ -318,9 +318,11 @@ def plot(path: Path, data: Results) -> bool:
     for name, ratio in zip(names, ratios, strict=True):
         ax.annotate(f"{ratio:.3f}x", (ratio, name), xytext=(4, -9), textcoords="offset points", fontsize=7)
     run = data["run"]
-    ax.set(
-        xlabel="step time / compute floor (1.0 = no wrapper, no communication; lower is better)",
-        title=f"fp32 GPT step, {run['world']} gloo ranks, {run['device']}: gradsync blue, peers grey",
+    ax.set_xlabel("step time / compute floor (1.0: no wrapper, no communication; lower is better)")
+    ax.set_title(
+        f"fp32 GPT step, {run['world']} gloo ranks, {run['device']}\ngradsync blue, peers grey; bars: "
+        f"spread over {run['repeats']} jobs",
+        fontsize=10,
     )
     ax.invert_yaxis()
     ax.grid(axis="x", alpha=0.3)

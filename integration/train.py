@@ -368,7 +368,7 @@ def write_outputs(
     label += f" {opts.grad_comm} wire" if wires_compared else ""
     if baseline:
         facts["compared with"] = ", ".join(baseline) + ": the same model, data and steps"
-    return write_report(out, {label: records, **baseline}, facts)
+    return write_report(out, {**baseline, label: records}, facts)  # the reference first
 
 
 def parse_args(argv: list[str]) -> Options:

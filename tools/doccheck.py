@@ -29,6 +29,10 @@ Checked in every README, CONTRIBUTING.md, benchmarks/RESULTS.md and docs/*.md (`
   nor in the Python the names are gathered from (``PY_GLOBS``) or constraints.txt: the docs and the code
   state the fact or the rule itself, not how the project came to it.
 
+- The benchmark figures the docs quote (benchmarks/RESULTS.md whole, and each ``<!-- bench:NAME -->``
+  block of the README and docs/performance.md) are what benchmarks/bench_report.py renders from
+  benchmarks/results.json, measured on a committed tree; a section holding such a block holds no other
+  figure.
 - A package's version quoted as ``gradsync-X 1.2.3`` (or ``gradsync-X>=1.2.3``) is its version or an
   earlier one, and the front page's "Alpha (A to B)" spans the packages' lowest and highest major.minor.
 
@@ -44,6 +48,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import importlib.util
 import re
 import subprocess
 import sys
@@ -51,6 +56,8 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_GLOBS = (
@@ -141,6 +148,8 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 PROVENANCE = re.compile(r"^(?:Measured|Computed): (.+)$")
+BENCH_MARK = re.compile(r"^<!-- (/?)bench:[\w-]+ -->$")
+"""A line opening or closing a block of figures rendered from benchmarks/results.json."""
 SOURCE = re.compile(r"^Source: \S.{9,}$")  # figures quoted from another publication
 COMMIT = re.compile(r"\bcommit ([0-9a-f]{7,40})\b")
 DATE = re.compile(r"\b(20\d\d)-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])\b")
@@ -189,10 +198,14 @@ class Context:
     versions: dict[str, tuple[int, ...]] = field(default_factory=dict)
     commits_checked: dict[str, bool] = field(default_factory=dict)
     flags_cache: dict[tuple[str, ...], frozenset[str]] = field(default_factory=dict)
+    bench_report: ModuleType | None = None
+    bench_results: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def build(cls, root: Path) -> Context:
         ctx = cls(root)
+        ctx.bench_report = load_bench_report(root)
+        ctx.bench_results = ctx.bench_report.load(root / "benchmarks" / "results.json")
         ctx.names = project_names(root) | torch_names() | listed_names(root / NAMES_FILE)
         ctx.sessions = nox_sessions(root)
         ctx.versions = package_versions(root)
@@ -232,6 +245,16 @@ class Context:
 
 
 # --- what exists --------------------------------------------------------------------------------------
+
+
+def load_bench_report(root: Path) -> ModuleType:
+    """benchmarks/bench_report.py, which renders the benchmark figures the docs quote."""
+    spec = importlib.util.spec_from_file_location("bench_report", root / "benchmarks" / "bench_report.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def package_versions(root: Path) -> dict[str, tuple[int, ...]]:
@@ -401,6 +424,7 @@ def check_doc(ctx: Context, rel: str, text: str) -> list[Problem]:
     problems += check_links(ctx, rel, lines)
     problems += check_provenance(ctx, rel, lines)
     problems += check_versions(ctx, rel, lines)
+    problems += check_bench_quotes(ctx, rel, text, lines)
     problems += [
         Problem(rel, line.number, f"says {m.group(0)!r}: state the fact or rule itself")
         for line in lines
@@ -602,6 +626,40 @@ def check_provenance(ctx: Context, rel: str, lines: list[Line]) -> Iterator[Prob
                     "line in its section",
                 )
                 break
+
+
+def check_bench_quotes(ctx: Context, rel: str, text: str, lines: list[Line]) -> Iterator[Problem]:
+    report, data = ctx.bench_report, ctx.bench_results
+    assert report is not None
+    if rel == "benchmarks/RESULTS.md":
+        if "+" in data["run"]["commit"]:
+            yield Problem(rel, 1, "benchmarks/results.json was measured on a tree with uncommitted changes")
+        if text != report.results_md(data):
+            yield Problem(rel, 1, "differs from what benchmarks/results.json renders: run `nox -s bench`")
+    for number, message in report.stale_quotes(rel, text, data):
+        yield Problem(rel, number, message)
+    quoted, inside = set(), False
+    for line in lines:
+        mark = BENCH_MARK.match(line.text)
+        if mark:
+            inside = not mark.group(1)
+        if mark or inside:
+            quoted.add(line.number)
+    for section in sections(lines):
+        if not any(line.number in quoted for line in section):
+            continue
+        for line in section:
+            if line.number in quoted or HEADING.match(line.text):
+                continue
+            cells = table_cells(line.text)
+            figure = (FIGURE_CELL if cells is not None else FIGURE_PROSE).search(line.text)
+            if figure:
+                yield Problem(
+                    rel,
+                    line.number,
+                    f"figure {figure.group(0)!r} beside a bench block: quote it from results.json "
+                    "(benchmarks/bench_report.py) or give it a section of its own",
+                )
 
 
 def _check_provenance_line(ctx: Context, rel: str, line: Line) -> Iterator[Problem]:

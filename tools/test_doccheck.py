@@ -80,11 +80,16 @@ PLANTS = [
         "--cost is not a flag of gradsync.buffers.plan",
     ),
     ("README.md", "(docs/planner.md)", "(docs/planer.md)", "no such file"),
-    ("CONTRIBUTING.md", "(README.md#status)", "(README.md#state)", "no such heading"),
-    ("README.md", "Measured: commit 57c8427,", "Figures: commit 57c8427,", "figure '4 MiB' without"),
+    ("CONTRIBUTING.md", "(README.md#what-is-verified-and-where)", "(README.md#status)", "no such heading"),
     (
-        "README.md",
-        "Measured: commit 57c8427,",
+        "docs/performance.md",
+        "Measured: commit 3cac611,",
+        "Figures: commit 3cac611,",
+        "without a 'Measured: commit",
+    ),
+    (
+        "docs/performance.md",
+        "Measured: commit 3cac611,",
         "Measured: commit 1234567,",
         "commit 1234567, not in this repository",
     ),
@@ -105,9 +110,34 @@ PLANTS = [
     ),
     (
         "docs/performance.md",
-        "([how the benchmarks measure](#how-the-benchmarks-measure);",
-        "([how the benchmarks measure](#how-the-benchmarks-\nmeasure);",
+        "([how the benchmarks measure](#how-the-benchmarks-measure-figures-2-core-intel-xeon);",
+        "([how the benchmarks measure](#how-the-benchmarks-measure-\nfigures-2-core-intel-xeon);",
         "a link target wraps onto the next line",
+    ),
+    (
+        "README.md",
+        "<!-- /bench:front-page -->",
+        "| a row of my own | 1.000x |\n<!-- /bench:front-page -->",
+        "bench block 'front-page' differs from benchmarks/results.json",
+    ),
+    ("README.md", "<!-- bench:front-page -->", "<!-- front-page -->", "no bench block 'front-page'"),
+    (
+        "README.md",
+        "No GPU figures yet.",
+        "No GPU figures yet; torch DDP took 1.072x the floor.",
+        "figure '1.072x' beside a bench block",
+    ),
+    (
+        "README.md",
+        "## Performance\n",
+        "## Performance\n<!-- bench:side-by-side -->\n<!-- /bench:side-by-side -->\n",
+        "bench block 'side-by-side' belongs in docs/performance.md",
+    ),
+    (
+        "benchmarks/RESULTS.md",
+        "| floor |",
+        "| the floor |",
+        "differs from what benchmarks/results.json renders",
     ),
 ]
 
@@ -119,6 +149,19 @@ def test_a_planted_mistake_fails(ctx: Any, doc: str, right: str, wrong: str, exp
     assert not any(expected in m for m in messages(ctx, doc, text))
     found = messages(ctx, doc, text.replace(right, wrong, 1))
     assert any(expected in m for m in found), found
+
+
+def test_figures_from_a_tree_with_uncommitted_changes_fail(ctx: Any) -> None:
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    committed = ctx.bench_results
+    run = {**committed["run"], "commit": committed["run"]["commit"] + "+dirty"}
+    ctx.bench_results = {**committed, "run": run}
+    try:
+        found = messages(ctx, "benchmarks/RESULTS.md", ctx.bench_report.results_md(ctx.bench_results))
+    finally:
+        ctx.bench_results = committed
+    assert any("measured on a tree with uncommitted changes" in m for m in found), found
+    assert not messages(ctx, "benchmarks/RESULTS.md", text)
 
 
 def test_changelog_sections() -> None:

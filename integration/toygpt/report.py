@@ -88,7 +88,32 @@ def write_report(out_dir: Path, runs: dict[str, list[StepRecord]], facts: dict[s
     return path
 
 
+SMOOTHING = 20
+"""Steps in the running mean the loss panels draw: one step's loss moves by a few percent from batch to batch,
+more than the runs differ."""
+
+
+def running_mean(values: list[float], width: int = SMOOTHING) -> list[float]:
+    """The mean of each value and the ``width - 1`` before it (fewer at the start)."""
+    means, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value - (values[i - width] if i >= width else 0.0)
+        means.append(total / min(i + 1, width))
+    return means
+
+
+def short_names(names: list[str]) -> tuple[list[str], str]:
+    """The run names without the words they all share, and those words (for the title)."""
+    words = [name.split() for name in names]
+    shared = [w for w in words[0] if all(w in other for other in words[1:])] if len(names) > 1 else []
+    short = [" ".join(w for w in each if w not in shared) or " ".join(each) for each in words]
+    return short, " ".join(shared)
+
+
 def _plot(path: Path, runs: dict[str, list[StepRecord]]) -> Path | None:
+    """Three panels: each run's training loss (a running mean) with its validation points, each run's
+    training loss minus the first run's, the reference (where a few percent of difference shows), and
+    the step-time breakdown; one legend under them, runs named by what sets them apart."""
     try:
         import matplotlib
 
@@ -96,28 +121,49 @@ def _plot(path: Path, runs: dict[str, list[StepRecord]]) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, (loss_ax, time_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, records in runs.items():
-        loss_ax.plot([r.step for r in records], [r.loss for r in records], label=f"{name} (train)")
+    names = list(runs)
+    labels, shared = short_names(names)
+    fig, (loss_ax, diff_ax, time_ax) = plt.subplots(1, 3, figsize=(15, 4.8))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    baseline = running_mean([r.loss for r in runs[names[0]]])
+    for i, (name, label) in enumerate(zip(names, labels, strict=True)):
+        records, colour = runs[name], colours[i % len(colours)]
+        steps, smooth = [r.step for r in records], running_mean([r.loss for r in records])
+        loss_ax.plot(steps, smooth, color=colour, linewidth=1.2, label=label)
         val = [(r.step, r.val_loss) for r in records if r.val_loss is not None]
         if val:
-            loss_ax.plot(*zip(*val, strict=True), "o--", label=f"{name} (val)")
-    loss_ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)", title="loss")
-    loss_ax.legend(fontsize=8)
-    names = list(runs)
+            loss_ax.plot(*zip(*val, strict=True), "o", color=colour, markersize=3)
+        if i:
+            pairs = list(zip(smooth, baseline, strict=False))[SMOOTHING:]  # once the means are full
+            diff = [a - b for a, b in pairs]
+            diff_ax.plot(steps[SMOOTHING : SMOOTHING + len(diff)], diff, color=colour, linewidth=1.2)
+    diff_ax.axhline(0.0, color=colours[0], linewidth=1.2)
+    loss_ax.set(
+        xlabel="step",
+        ylabel="cross-entropy (nats/byte)",
+        title=f"training loss, mean of {SMOOTHING} steps; dots: validation",
+    )
+    settled = [running_mean([r.loss for r in records])[SMOOTHING:] for records in runs.values()]
+    if all(settled):
+        low = min(min(means) for means in settled)
+        loss_ax.set_ylim(low - 0.1, low + 1.5)  # the first steps' drop would squash the rest
+    diff_ax.set(xlabel="step", ylabel="nats/byte", title=f"training loss minus {labels[0]}'s (same mean)")
     bottom = [0.0] * len(names)
-    for attr, label in (
-        ("compute_s", "forward+backward"),
-        ("sync_s", "grad-sync wait"),
-        ("optimizer_s", "optimizer"),
+    for attr, part, shade in (
+        ("compute_s", "forward+backward", "0.35"),
+        ("sync_s", "grad-sync wait", "tab:orange"),
+        ("optimizer_s", "optimizer", "0.7"),
     ):
         heights = [1000 * steady_median(runs[n], attr) for n in names]
-        time_ax.bar(names, heights, bottom=bottom, label=label)
+        time_ax.bar(labels, heights, bottom=bottom, label=part, color=shade)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    time_ax.set(ylabel="ms per step (median)", title="step-time breakdown")
-    time_ax.tick_params(axis="x", labelrotation=15, labelsize=8)
-    time_ax.legend(fontsize=8)
-    fig.tight_layout()
+    time_ax.set(ylabel="ms per step (median)", title="step time")
+    time_ax.legend(fontsize=8, loc="lower right")
+    time_ax.tick_params(axis="x", labelsize=8)
+    fig.legend(*loss_ax.get_legend_handles_labels(), loc="lower center", ncol=len(names), frameon=False)
+    if shared:
+        fig.suptitle(shared)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
