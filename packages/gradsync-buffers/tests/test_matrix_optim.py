@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from gradsync.buffers import BlockShampoo, Muon, muon_param_groups
 from gradsync.buffers.checkpointing import contiguous_stride, describe_chunk, materialize_optimizer_state
 from gradsync.buffers.matrix_optim import inverse_fourth_root, newton_schulz
-from gradsync.buffers.matrix_optim.local import local_tensor
+from gradsync.buffers.torch_internals import local_tensor
 from gradsync.groups.testing import run_distributed
 
 QUINTIC = (3.4445, -4.7750, 2.0315)  # Muon's published Newton-Schulz coefficients

@@ -20,6 +20,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Shard
 
+from .torch_internals import local_tensor
+
 TensorT = TypeVar("TensorT", bound=torch.Tensor)
 
 
@@ -39,7 +41,7 @@ def describe_chunk(value: TensorT, offsets: Sequence[int]) -> TensorT:
     Replicated DTensors and plain tensors are returned as they are (DCP's own description is right)."""
     if not isinstance(value, DTensor) or not any(isinstance(p, Shard) for p in value.placements):
         return value
-    local: Any = value._local_tensor
+    local: Any = local_tensor(value)
     start = torch.Size(offsets)
     if len(start) != value.dim():
         raise ValueError(f"describe_chunk: {len(start)} offsets for a {value.dim()}-dimensional tensor")
@@ -68,7 +70,7 @@ class _WriteItems:
         self.chunk = chunk
 
     def __call__(self, fqn: str, value: Any) -> list[WriteItem]:
-        local = value._local_tensor if isinstance(value, DTensor) else value
+        local = local_tensor(value)
         if local.numel() == 0:
             return []
         properties = TensorProperties.create_from_tensor(local)

@@ -5,11 +5,24 @@ them. Nothing else in the package touches private torch."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+from torch.distributed.tensor import DTensor
 
-__all__ = ["even_chunk_shape_and_offset"]
+__all__ = ["even_chunk_shape_and_offset", "local_tensor"]
+
+_T = TypeVar("_T")
+
+
+def local_tensor(value: _T) -> _T:
+    """A DTensor's local tensor (``DTensor._local_tensor``, checked on 2.6), the one helper every layer
+    uses for it: the storage itself, so in-place updates land in the DTensor, without the autograd op
+    of ``to_local()`` (about 1 us a call, paid per param per step); any other value is its own."""
+    if isinstance(value, DTensor):
+        local: Any = value._local_tensor
+        return local  # type: ignore[no-any-return]
+    return value
 
 
 def even_chunk_shape_and_offset(

@@ -22,6 +22,7 @@ from gradsync.buffers.shard_alignment import ShardAlignmentSpec
 from gradsync.groups import FSDPDistributedIndex
 
 from .dcp import describe_optimizer_state
+from .device_choice import choose_device
 from .local_step import LENDING_ATTR, local_tensors_for_step
 from .megatron_fsdp import MegatronFSDP
 from .meta_init import ParamInitFn
@@ -74,10 +75,9 @@ def fully_shard_model(
             "init_model_with_meta_device is not supported or necessary for the 'no_shard' (0) strategy"
         )
     if device_mesh is None:
-        device_type = _params_device(module, device).type
-        dist_index = FSDPDistributedIndex.from_sizes(
-            dist.get_world_size(), device_type=None if device_type == "meta" else device_type
-        )
+        kind = (choose_device(device, module.parameters()) or torch.device("cpu")).type
+        device_type = None if kind == "meta" else kind
+        dist_index = FSDPDistributedIndex.from_sizes(dist.get_world_size(), device_type=device_type)
     else:
         dist_index = FSDPDistributedIndex(
             device_mesh,
@@ -134,14 +134,6 @@ def _config_fields(keywords: dict[str, Any]) -> dict[str, Any]:
     if fields.get("nccl_ub"):
         fields["fsdp_double_buffer"] = True
     return fields
-
-
-def _params_device(module: nn.Module, device: torch.device | None) -> torch.device:
-    if device is not None:
-        return device
-    for param in module.parameters():
-        return param.device
-    return torch.device("cpu")
 
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

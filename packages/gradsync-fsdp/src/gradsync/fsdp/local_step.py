@@ -44,15 +44,12 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from gradsync.buffers.torch_internals import local_tensor
 from gradsync.buffers.wrapper_claims import OWNER_ATTR, owners_of
 
 from .ragged import RaggedDTensor
 from .step_tracking import OWNER
 from .torch_internals import SUBCLASS_DISPATCH
-
-
-def _local(value: Any) -> Any:
-    return value._local_tensor if isinstance(value, DTensor) else value
 
 
 def _as_distributed(value: Any, param: DTensor, local: torch.Tensor) -> Any:
@@ -73,7 +70,7 @@ class _Lent:
     __slots__ = ("local", "local_state", "param", "state")
 
     def __init__(self, param: DTensor) -> None:
-        self.param, self.local = param, param._local_tensor
+        self.param, self.local = param, local_tensor(param)
         for mark in (OWNER, OWNER_ATTR):  # the step hooks find the model through them
             owner = getattr(param, mark, None)
             if owner is not None:
@@ -83,7 +80,7 @@ class _Lent:
 
     def lend(self, optimizer: torch.optim.Optimizer) -> None:
         grad = self.param.grad
-        local_grad = grad._local_tensor if isinstance(grad, DTensor) else grad
+        local_grad = local_tensor(grad)
         if self.local.grad is not local_grad:
             self.local.grad = local_grad
         state = optimizer.state.pop(self.param, None)
@@ -93,9 +90,9 @@ class _Lent:
         if (
             state is not self.state
             or len(state) != len(self.local_state)
-            or any(_local(value) is not self.local_state.get(key) for key, value in state.items())
+            or any(local_tensor(value) is not self.local_state.get(key) for key, value in state.items())
         ):
-            self.state, self.local_state = state, {key: _local(value) for key, value in state.items()}
+            self.state, self.local_state = state, {key: local_tensor(value) for key, value in state.items()}
         optimizer.state[self.local] = self.local_state
 
     def give_back(self, optimizer: torch.optim.Optimizer) -> None:
@@ -104,7 +101,7 @@ class _Lent:
             if local_state is not self.local_state:  # created by the step
                 self.state, self.local_state = {}, local_state
             for key, value in local_state.items():
-                if _local(self.state.get(key)) is not value:  # created or replaced by the step
+                if local_tensor(self.state.get(key)) is not value:  # created or replaced by the step
                     self.state[key] = _as_distributed(value, self.param, self.local)
         if self.state:
             optimizer.state[self.param] = self.state

@@ -22,7 +22,6 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from gradsync.buffers import (
@@ -41,6 +40,7 @@ from gradsync.buffers.grad_checks import LocalGradNorms, non_finite_ranks
 from gradsync.buffers.low_precision_reduce import GradCommWire
 from gradsync.buffers.shard_alignment import ShardAlignmentSpec, ShardBalance, set_shard_alignments
 from gradsync.buffers.step_ballot import StepBallot, unfinished_step
+from gradsync.buffers.torch_internals import local_tensor
 from gradsync.buffers.wire_format import WireFormat
 from gradsync.buffers.wrapper_claims import (
     claim,
@@ -60,6 +60,7 @@ from .checkpoint import param_keys, param_loader
 from .coalesce import ReductionGroup, grad_storage, plan_reduction_groups
 from .communication_unit import communication_unit_size, prefetch_size
 from .dcp import FIRST_ROW, describe_shard
+from .device_choice import choose_device
 from .hooks import (
     TrainingState,
     attach_post_backward,
@@ -79,7 +80,7 @@ from .optimizer_params import OptimizerGrads, build_optimizer_params
 from .param_order import balance_param_order
 from .registration import ParamRegistry
 from .schedule import GatherSchedule, ReduceSchedule
-from .step_tracking import OWNER, watch_optimizer_steps
+from .step_tracking import OWNER, StepMarks, watch_optimizer_steps
 from .strategy import parse_strategy
 from .support import (
     refuse_contradicting_keywords,
@@ -107,9 +108,9 @@ class MegatronFSDP(nn.Module):
     ``parameters()`` / ``named_parameters()`` yield the optimizer's params: dim-0 DTensor shards (uneven,
     possibly empty) of the main weights, ``Replicate`` for ``no_shard``. Build the optimizer on them; call
     ``finish_grad_sync()`` before ``optimizer.step()`` and ``install_optimized_model_weights()`` after it.
-    Native ``full_tensor()`` / ``redistribute()`` fail on uneven shards: use
-    :func:`~gradsync.fsdp.uneven_dtensor_to_full_tensor` and the other helpers of
-    :mod:`gradsync.fsdp.uneven_dtensor`, or ``full_state_dict()``.
+    The uneven shards are :class:`~gradsync.fsdp.ragged.RaggedDTensor` s, so torch's own ``full_tensor()`` /
+    ``redistribute()`` and DCP take their true split (HFSDP's from torch 2.7 on), as do Megatron-FSDP's
+    helpers in :mod:`gradsync.fsdp.uneven_dtensor` and ``full_state_dict()``.
     """
 
     def __init__(
@@ -328,7 +329,7 @@ class MegatronFSDP(nn.Module):
         self._grads_pending = False  # a backward ran since the last finish_grad_sync / zero_grad_buffer
         self._backward_this_cycle = True  # a backward ran since zero_grad_buffer (none called yet: unknown)
         guard_optimizer_steps()
-        self._stepped = False  # an optimizer stepped the params since the last install
+        self.steps = StepMarks()
         watch_optimizer_steps()
         watch_state_splits()
         adopt_hand_built_optimizers()
@@ -379,6 +380,7 @@ class MegatronFSDP(nn.Module):
             grad_norms=self._grad_norms,
             cycle_ends=self._cycle_ends,
             queue_capacity=self.suggested_communication_unit_size,
+            steps=self.steps,
         )
         self._in_backward = False  # the root's pre-backward ran and its post-backward not (yet, or ever)
         self._ballot = StepBallot([self._all_dp_group()], "MegatronFSDP", ddp_config.check_abandoned_steps)
@@ -839,7 +841,7 @@ class MegatronFSDP(nn.Module):
                 buffers.add(bucket.grad.untyped_storage().data_ptr())
         for params in self._optimizer_params:
             for param in params:
-                local = _local(param.grad)
+                local = local_tensor(param.grad)
                 if local is not None and local.untyped_storage().data_ptr() not in buffers:
                     local.mul_(scaling_factor)
 
@@ -936,7 +938,7 @@ class MegatronFSDP(nn.Module):
     def _install_if_stepped(self) -> None:
         """Weights are read or gathered: bring an optimizer step in first (the flag is the same on every
         rank, so every rank installs)."""
-        if self._stepped:
+        if self.steps.weights_uninstalled:
             self.install_optimized_model_weights()
 
     def install_optimized_model_weights(self) -> None:
@@ -944,7 +946,7 @@ class MegatronFSDP(nn.Module):
         at the next forward, or now when ``overlap_param_gather`` is off."""
         for bucket in self.buckets:
             bucket.install_main_weights()
-        self._stepped = False
+        self.steps.weights_uninstalled = False
         if not self.ddp_config.overlap_param_gather:
             self.start_param_sync(force_sync=True)
 
@@ -1012,8 +1014,7 @@ class MegatronFSDP(nn.Module):
         ``install_optimized_model_weights()`` runs first, and no grad may arrive before
         ``zero_grad_buffer()``. torch optimizers call it by themselves; call it after an update made any
         other way."""
-        self._stepped = True
-        self._reductions.stepped = True
+        self.steps.mark()
 
     def set_model_auto_sync(self, sync_model: bool = True) -> None:
         """With auto-sync every backward reduces and ends with ``finish_grad_sync()``."""
@@ -1029,16 +1030,6 @@ def _detach_from_params(handles: list[RemovableHandle], params: list[nn.Paramete
             del param.main_grad
 
 
-def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _module_device(module: nn.Module) -> torch.device:
-    for tensor in module.parameters():
-        return tensor.device
-    return torch.device("cpu")
-
-
 def _resolve_device(
     device: torch.device | None, module: nn.Module, dist_index: FSDPDistributedIndex, meta_init: bool
 ) -> torch.device:
@@ -1051,11 +1042,5 @@ def _resolve_device(
             "init_model_with_meta_device=True to materialise them shard by shard, or build the model on "
             "a real device"
         )
-    if device is not None:
-        return device
-    if not on_meta:
-        return _module_device(module)
-    kind = dist_index.device_mesh.device_type
-    if kind == "cpu":
-        return torch.device("cpu")
-    return torch.device(kind, torch.accelerator.current_device_index())
+    mesh_type = dist_index.device_mesh.device_type if on_meta else None
+    return choose_device(device, module.parameters(), mesh_type) or torch.device("cpu")

@@ -25,6 +25,7 @@ from .bucket import BucketStatus, FlatParamBucket, GradReduction
 from .coalesce import ReductionGroup
 from .hsdp import OuterReplication
 from .labels import labelled
+from .step_tracking import StepMarks
 from .strategy import Sharding
 
 
@@ -96,6 +97,7 @@ class ReduceSchedule:
         grad_norms: LocalGradNorms | None,
         cycle_ends: Callable[[], bool],
         queue_capacity: int,
+        steps: StepMarks,
     ) -> None:
         self.buckets = buckets
         self.groups = list(groups)
@@ -116,7 +118,7 @@ class ReduceSchedule:
         self._next_launch = 0
         self._launchable: set[int] = set()
         self._staged: set[int] = set()  # popped in launch order, their group's other buckets not yet
-        self.stepped = False  # an optimizer stepped since the last new_cycle(): grads must not arrive
+        self.steps = steps
 
     # --- grads arriving ------------------------------------------------------------------------------
     def add_grad(self, bucket: FlatParamBucket, index: int, grad: torch.Tensor) -> None:
@@ -149,7 +151,7 @@ class ReduceSchedule:
         self.wait_all()
 
     def _refuse_after_step(self) -> None:
-        if self.stepped:
+        if self.steps.grads_consumed:
             raise RuntimeError(
                 "MegatronFSDP: a backward ran after an optimizer step without zero_grad_buffer(): the grad "
                 "buffers still hold the stepped grads, and adding to them would count those twice. Call "
@@ -253,7 +255,7 @@ class ReduceSchedule:
         self._launchable.clear()
         self._staged.clear()
         self._next_launch = 0
-        self.stepped = False
+        self.steps.grads_consumed = False
 
     def missing_grads(self, in_backward: bool) -> dict[str, str]:
         """Buckets still waiting for grads in this backward, by param name (for the hang watchdog)."""

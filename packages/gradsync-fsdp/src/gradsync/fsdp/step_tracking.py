@@ -17,6 +17,22 @@ from torch.utils.hooks import RemovableHandle
 
 from gradsync.buffers.wrapper_claims import owners_of
 
+
+class StepMarks:
+    """What an optimizer step leaves on a model, recorded in this one place: the updated weights await
+    their install (until ``install_optimized_model_weights()``), and the grad buffers hold the grads the
+    step consumed, so no grad may be added to them (until ``zero_grad_buffer()`` starts a new cycle)."""
+
+    __slots__ = ("grads_consumed", "weights_uninstalled")
+
+    def __init__(self) -> None:
+        self.weights_uninstalled = False
+        self.grads_consumed = False
+
+    def mark(self) -> None:
+        self.weights_uninstalled = self.grads_consumed = True
+
+
 OWNER = "_megatron_fsdp_model"
 """The attribute of an optimizer param that names its MegatronFSDP (the reference's name)."""
 

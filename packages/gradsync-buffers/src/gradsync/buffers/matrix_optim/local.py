@@ -25,7 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..shard_alignment import SHARD_ALIGNMENT_ATTR, ShardAlignment
-from ..torch_internals import even_chunk_shape_and_offset
+from ..torch_internals import even_chunk_shape_and_offset, local_tensor
 
 
 def _sharded(param: torch.Tensor) -> bool:
@@ -33,11 +33,6 @@ def _sharded(param: torch.Tensor) -> bool:
     if not isinstance(param, DTensor):
         return False
     return any(p.is_shard() and param.device_mesh.size(dim) > 1 for dim, p in enumerate(param.placements))
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s local part (a view: in-place updates land in it); a plain tensor is its own."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 PARAM_ORIGIN_ATTR = "_gradsync_param_origin"
@@ -88,7 +83,7 @@ def local_offsets(param: torch.Tensor) -> tuple[int, ...]:
         return origin.offsets
     if not isinstance(param, DTensor) or all(isinstance(p, Replicate) for p in param.placements):
         return (0,) * param.dim()
-    local: Any = param._local_tensor
+    local: Any = local_tensor(param)
     described = getattr(local, "__create_chunk_list__", None)
     if described is not None:
         return tuple(int(o) for o in described()[0].offsets)
@@ -161,13 +156,13 @@ class LocalOptimizer(torch.optim.Optimizer):
     def _remember_dtensors(self, params: Iterable[torch.Tensor]) -> None:
         for param in params:
             if isinstance(param, DTensor):
-                self._dtensor_of_local[id(param._local_tensor)] = param
+                self._dtensor_of_local[id(local_tensor(param))] = param
 
     def layout_of(self, param: torch.Tensor) -> torch.Tensor:
         """The DTensor ``param`` is the local tensor of; for a part of a larger param
         (:func:`mark_param_origin`), a meta stand-in shaped like that param; else ``param`` itself."""
         owner = self._dtensor_of_local.get(id(param))
-        if owner is not None and owner._local_tensor is param:
+        if owner is not None and local_tensor(owner) is param:
             return owner
         stand_in = _origin_stand_in(param)
         return param if stand_in is None else stand_in

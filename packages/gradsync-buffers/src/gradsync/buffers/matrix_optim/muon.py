@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..shard_alignment import ShardAlignment
-from .local import LocalOptimizer, LocalPiece, apply_update, local_tensor, zeros_like_param
+from ..torch_internals import local_tensor
+from .local import LocalOptimizer, LocalPiece, apply_update, zeros_like_param
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """(a, b, c) of the quintic Newton-Schulz step; the polynomial's slope at 0 is a, so small singular values

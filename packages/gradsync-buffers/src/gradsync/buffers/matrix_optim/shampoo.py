@@ -34,7 +34,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from ..checkpointing import contiguous_stride, describe_chunk
 from ..shard_alignment import ShardAlignment, row_size
-from .local import LocalOptimizer, LocalPiece, apply_update, local_offsets, local_tensor, zeros_like_param
+from ..torch_internals import local_tensor
+from .local import LocalOptimizer, LocalPiece, apply_update, local_offsets, zeros_like_param
 
 Grafting = Literal["adam", "none"]
 

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from gradsync.buffers import DistributedDataParallelConfig, check_params_match_across_ranks
 from gradsync.groups import FSDPDistributedIndex
 
+from ..device_choice import choose_device
 from ..hooks import outside_compile
 from ..megatron_fsdp import MegatronFSDP
 from ..torch_internals import detach_for_saving, flatten_mesh
@@ -103,7 +104,8 @@ def _megatron_fsdp(
     module: nn.Module, call: _Call, units: list[_module.FSDPModule], ignored: frozenset[nn.Parameter]
 ) -> MegatronFSDP:
     managed = [(n, p) for n, p in module.named_parameters() if p not in ignored]
-    device = _device(call.mesh, managed)
+    # the mesh's device, as torch moves the module there; without a mesh, the params'
+    device = choose_device(None, (p for _, p in managed), call.mesh.device_type if call.mesh else None)
     index = _index(call, device)
     # In the caller's terms, before MegatronFSDP checks what they became (its strategy, its precision),
     # and before any refusal that depends on them (a rank raising alone would leave the others here)
@@ -195,13 +197,3 @@ def _index(call: _Call, device: torch.device | None) -> FSDPDistributedIndex:
         hybrid_fsdp_group=flatten_mesh(mesh).get_group(),
         hsdp_outer_dp_shard=call.outer_dp_sharding_strategy == "optim",
     )
-
-
-def _device(mesh: DeviceMesh | None, managed: list[tuple[str, nn.Parameter]]) -> torch.device | None:
-    """Where the shards live: the mesh's device (the current accelerator), as torch moves the module
-    there; without a mesh, the params' device."""
-    if mesh is None:
-        return managed[0][1].device if managed else None
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.accelerator.current_device_index())

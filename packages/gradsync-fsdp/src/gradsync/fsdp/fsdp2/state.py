@@ -12,8 +12,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from gradsync.buffers.matrix_optim.local import local_tensor
 from gradsync.buffers.shard_alignment import ShardAlignmentSpec
+from gradsync.buffers.torch_internals import local_tensor
 
 from ..megatron_fsdp import MegatronFSDP
 
@@ -72,7 +72,7 @@ class _Root:
         read. Whether grads are set is the same on every rank: each rank holds a grad for every trained
         param, an empty one where it owns no rows (``OptimizerGrads``), so every rank takes the same
         branch and posts the same collectives."""
-        if not self.fsdp._reductions.stepped:
+        if not self.fsdp.steps.grads_consumed:
             if self.fsdp.step_left_broken:  # the last step raised (here or elsewhere): settle it now
                 self.fsdp.zero_grad_buffer()
             return
