@@ -1,6 +1,6 @@
 """What `nox -s bench` writes, rendered from one file: benchmarks/results.json holds every figure of the
 last run (with its commit, date, machine and versions); RESULTS.md, results.png and the blocks the docs
-quote from it (``QUOTED_IN``, each between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``) are
+quote from it (``QUOTES``, each between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``) are
 rendered from that file alone, so the doc check can render them again and fail on any figure that
 differs (tools/doccheck.py). No torch here: the doc check imports this module.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,6 @@ Results = dict[str, Any]
 ``times`` (bench_ab's summary per system, the interleaved runs) and ``alone`` (bench_worker's result per
 system run alone in its own processes, ``floor`` on one rank)."""
 
-QUOTED_IN = {"front-page": "README.md", "side-by-side": "docs/performance.md"}
-"""Each block the docs quote, and the doc that holds it."""
 BLOCK = re.compile(r"^<!-- bench:([\w-]+) -->\n(.*?)^<!-- /bench:\1 -->$", re.MULTILINE | re.DOTALL)
 
 TARGETS = [  # (system, peer, at most this ratio of the peer's step time)
@@ -244,7 +242,11 @@ def side_by_side(data: Results) -> str:
     return "\n".join(lines) + "\n"
 
 
-RENDERERS = {"front-page": front_page, "side-by-side": side_by_side}
+QUOTES: dict[str, tuple[str, Callable[[Results], str]]] = {
+    "front-page": ("README.md", front_page),
+    "side-by-side": ("docs/performance.md", side_by_side),
+}
+"""Each block the docs quote: the doc that holds it, and what renders it."""
 
 
 def blocks(text: str) -> Iterator[tuple[str, str, int]]:
@@ -258,22 +260,25 @@ def with_quotes(text: str, data: Results) -> str:
 
     def render(match: re.Match[str]) -> str:
         name = match.group(1)
-        return f"<!-- bench:{name} -->\n{RENDERERS[name](data)}<!-- /bench:{name} -->"
+        home_and_render = QUOTES.get(name)
+        body = home_and_render[1](data) if home_and_render else match.group(2)  # unknown: left as it is
+        return f"<!-- bench:{name} -->\n{body}<!-- /bench:{name} -->"
 
     return BLOCK.sub(render, text)
 
 
 def stale_quotes(rel: str, text: str, data: Results) -> Iterator[tuple[int, str]]:
     """(line, problem) for each block of ``text`` (the doc at ``rel``) that is not what ``data`` renders,
-    that names no renderer or is in another doc than ``QUOTED_IN`` says, and for a block ``rel`` lacks."""
+    that names no renderer or is in another doc than ``QUOTES`` says, and for a block ``rel`` lacks."""
     found = set()
     for name, body, line in blocks(text):
         found.add(name)
-        if QUOTED_IN.get(name) != rel:
-            yield line, f"bench block {name!r} belongs in {QUOTED_IN.get(name, 'no doc')}"
-        elif body != RENDERERS[name](data):
+        home, render = QUOTES.get(name, ("no doc", None))
+        if home != rel or render is None:
+            yield line, f"bench block {name!r} belongs in {home}"
+        elif body != render(data):
             yield line, f"bench block {name!r} differs from benchmarks/results.json: run `nox -s bench`"
-    for name, home in QUOTED_IN.items():
+    for name, (home, _) in QUOTES.items():
         if home == rel and name not in found:
             yield 1, f"no bench block {name!r} (the figures `nox -s bench` writes here)"
 
@@ -284,7 +289,7 @@ def write(root: Path, data: Results) -> list[Path]:
     written = [RESULTS_MD]
     if plot(RESULTS_PNG, data):
         written.append(RESULTS_PNG)
-    for rel in sorted(set(QUOTED_IN.values())):
+    for rel in sorted({home for home, _ in QUOTES.values()}):
         path = root / rel
         path.write_text(with_quotes(path.read_text(), data))
         written.append(path)

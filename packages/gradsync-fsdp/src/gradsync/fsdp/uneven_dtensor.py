@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from gradsync.buffers.checkpointing import contiguous_stride, describe_chunk
+from gradsync.buffers.torch_internals import local_tensor
 
 from .dcp import FIRST_ROW
 from .torch_internals import _StridedShard
@@ -115,7 +116,7 @@ def gather_and_compute_chunk_metadata(dtensor: DTensor) -> ChunkStorageMetadata:
 
 def _known_chunk(dtensor: DTensor) -> ChunkStorageMetadata | None:
     """The chunk already known for ``dtensor`` without a collective, or None."""
-    local: Any = dtensor._local_tensor
+    local: Any = local_tensor(dtensor)
     if hasattr(local, "__create_chunk_list__"):
         chunks = local.__create_chunk_list__()
         if len(chunks) != 1:
