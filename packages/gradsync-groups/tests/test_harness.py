@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,6 +89,45 @@ def test_ranks_are_reused_until_a_failure() -> None:
 def raise_on_rank_1_of_2() -> None:
     if dist.get_rank() == 1:
         raise RuntimeError("expected")
+
+
+GLOO_MESH_RACE = (
+    "Gloo connectFullMesh failed with [gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+    "[127.0.0.1]:40599. This is typically caused by a remote worker crashing."
+)
+
+
+def fail_on_rank_1(marker: str, times: int, message: str) -> int:
+    """Raises ``message`` on rank 1 for the first ``times`` calls (counted in ``marker``)."""
+    dist.barrier()  # both ranks read the count before either bumps it
+    seen = len(Path(marker).read_text()) if os.path.exists(marker) else 0
+    dist.barrier()
+    if dist.get_rank() == 1:
+        with open(marker, "a") as f:
+            f.write("x")
+        if seen < times:
+            raise RuntimeError(message)
+    return seen
+
+
+def test_a_gloo_mesh_race_runs_the_call_once_more_on_fresh_ranks(tmp_path: Path) -> None:
+    marker = str(tmp_path / "calls")
+    with pytest.warns(RuntimeWarning, match="gloo's mesh setup failed on rank 1"):
+        assert run_distributed(fail_on_rank_1, 2, args=(marker, 1, GLOO_MESH_RACE)) == [1, 1]
+
+
+def test_a_mesh_race_that_repeats_fails_the_test(tmp_path: Path) -> None:
+    marker = str(tmp_path / "calls")
+    with pytest.warns(RuntimeWarning), pytest.raises(RankFailure, match="connectFullMesh failed"):
+        run_distributed(fail_on_rank_1, 2, args=(marker, 2, GLOO_MESH_RACE))
+    assert Path(marker).read_text() == "xx"  # once, then once more: no third try
+
+
+def test_any_other_failure_is_not_run_again(tmp_path: Path) -> None:
+    marker = str(tmp_path / "calls")
+    with pytest.raises(RankFailure, match="a real fault"):
+        run_distributed(fail_on_rank_1, 2, args=(marker, 1, "a real fault"))
+    assert Path(marker).read_text() == "x"
 
 
 class HoldsItsGroup:
