@@ -19,13 +19,15 @@ import torch.distributed as dist
 from torch.nn import Parameter
 
 from . import collectives
+from .bucket_group_collectives import BucketGroupCollectives
 from .buffer import ParamAndGradBucket, ParamAndGradBuffer
-from .comm_hook import HookBucket, RegisteredHook
+from .comm_hook import RegisteredHook
 from .config import DistributedDataParallelConfig
+from .deferred_grad_checks import DeferredGradChecks
 from .foreign_config import as_ddp_config
-from .grad_checks import LargeGradDetector, LocalGradNorms, check_grads, non_finite_ranks, report_grad_norms
-from .low_precision_reduce import GradCommWire, reduce_bucket
-from .stats import CollectiveRecord, CommStats
+from .grad_checks import LargeGradDetector, LocalGradNorms, check_grads
+from .low_precision_reduce import GradCommWire
+from .stats import CommStats
 
 
 class ParamAndGradBucketGroup:
@@ -86,15 +88,28 @@ class ParamAndGradBucketGroup:
         self.label = "bucket_group"
         """The group's name in telemetry (GradBuffers numbers its groups)."""
         self.large_grad_detector = LargeGradDetector() if ddp_config.check_for_large_grads else None
-        self.grad_norms: LocalGradNorms | None = None  # the checks' local norms, read at finish_grad_sync
+        self._grad_checks: DeferredGradChecks | None = None
         if ddp_config.check_for_nan_in_grad or ddp_config.check_for_large_grads:
-            self.grad_norms = LocalGradNorms(len(buckets), buckets[0].grad_data.device)
-        self._grad_norms_recorded = False
+            self._grad_checks = DeferredGradChecks(buckets, ddp_config)
         self.grad_comm_wire = GradCommWire.from_config(ddp_config)
         """The low-precision wire (``grad_comm_dtype``) the reductions send, if any."""
         self.comm_hook: RegisteredHook | None = None
         """A torch-DDP-style comm hook that reduces each bucket instead."""
         self.hook_bucket_offset = 0  # the index the hook sees for this group's first bucket
+        self._collectives = BucketGroupCollectives(
+            buckets,
+            ddp_config,
+            collective_group,
+            collective_group_size,
+            inter_distributed_optimizer_instance_group,
+            self.grad_comm_wire,
+            self.stats,
+        )
+
+    @property
+    def grad_norms(self) -> LocalGradNorms | None:
+        """The NaN/Inf and large-grad checks' local norms, read at finish_grad_sync (None without them)."""
+        return None if self._grad_checks is None else self._grad_checks.norms
 
     # --- iteration state -------------------------------------------------------------------------
 
@@ -112,9 +127,8 @@ class ParamAndGradBucketGroup:
             self.is_first_batch = False
         self.per_param_grad_ready_counts = {}
         self._mismatched_counts = len(self.golden_per_param_grad_ready_counts)
-        if self.grad_norms is not None:
-            self.grad_norms.reset()
-            self._grad_norms_recorded = False
+        if self._grad_checks is not None:
+            self._grad_checks.reset()
         self.is_last_microbatch = True
         self.grad_reduce_finished = False
         self.grad_reduce_dispatched = False
@@ -168,10 +182,8 @@ class ParamAndGradBucketGroup:
         if self.grad_reduce_handle is not None:
             raise RuntimeError("Should not have multiple communication calls outstanding at once")
         self._copy_extra_main_grads_into_buffer()
-        if self.grad_norms is not None:  # read at finish_grad_sync, on every rank alike
-            for position, bucket in enumerate(self.buckets):
-                self.grad_norms.record(position, bucket.grad_data)
-            self._grad_norms_recorded = True
+        if self._grad_checks is not None:  # read at finish_grad_sync, on every rank alike
+            self._grad_checks.record()
         # A comm hook averages (as torch's do): hand it the grads that make its mean gradsync's scaled sum.
         to_mean = (
             self.collective_group_size if self.comm_hook and not self.ddp_config.average_in_collective else 1
@@ -181,80 +193,14 @@ class ParamAndGradBucketGroup:
                 if bucket.gradient_scaling_factor * to_mean != 1.0:
                     bucket.grad_data *= bucket.gradient_scaling_factor * to_mean
 
-        launched = collectives.Launched()
-        records = []
-        average = self.ddp_config.average_in_collective
-        reduce_scatter = self._uses_reduce_scatter(force_all_reduce)
-        group = self.collective_group
-        for position, bucket in enumerate(self.buckets):
-            op = "reduce_scatter" if reduce_scatter else "all_reduce"
-            if self.comm_hook is not None:
-                records.append(self._record(op, bucket.grad_data))
-                launched.extend(self._launch_hook(position, bucket))
-                continue
-            if reduce_scatter and self.ddp_config.reduce_scatter_with_fp32_accumulation:
-                records.append(self._record(op, bucket.grad_data))
-                launched.extend(
-                    collectives.reduce_scatter_fp32_accumulated(bucket.grad_data, group, label=self.label)
-                )
-                continue
-            reduction, sent = reduce_bucket(
-                bucket.grad_data, group, self.grad_comm_wire, position,
-                scatter=reduce_scatter, average=average, label=self.label,
-            )  # fmt: skip
-            records.append(self.stats.begin(op, sent, group.size(), bucket.grad_data.device))
-            launched.extend(reduction)
-        launched.after.append(lambda: CommStats.end(records))
-        inter = self.inter_distributed_optimizer_instance_group
-        if self.ddp_config.use_distributed_optimizer and inter is not None:
-            launched = self._then_across_instances(launched, inter, reduce_scatter)
+        launched = self._collectives.reduce_grads(
+            self._uses_reduce_scatter(force_all_reduce), self.label, self.comm_hook, self.hook_bucket_offset
+        )
         self.grad_reduce_dispatched = True
         if self.ddp_config.overlap_grad_reduce:
             self.grad_reduce_handle = launched
         else:
             launched.wait()
-
-    def _launch_hook(self, position: int, bucket: ParamAndGradBucket) -> collectives.Launched:
-        assert self.comm_hook is not None
-        params = bucket.params_list
-        grads = [param.main_grad for param in params]  # type: ignore[attr-defined]
-        index = self.hook_bucket_offset + position
-        work = self.comm_hook.launch(HookBucket(bucket.grad_data, params, grads, index))
-        launched = collectives.Launched([work])
-        return launched.record("all_reduce", f"{self.label}.hook", bucket.grad_data, self.collective_group)
-
-    def _then_across_instances(
-        self, within: collectives.Launched, inter: dist.ProcessGroup, reduce_scatter: bool
-    ) -> collectives.Launched:
-        """Chain the all-reduce across optimizer instances after the reduction within this instance.
-
-        It reduces this rank's shard after a reduce-scatter, the whole bucket after an all-reduce (as
-        ``force_all_reduce`` asks), issued as :func:`~gradsync.buffers.collectives.chain` says.
-        """
-        average = self.ddp_config.average_in_collective
-
-        def across() -> collectives.Launched:
-            launched, records = collectives.Launched(), []
-            for bucket in self.buckets:
-                target = bucket.grad_data
-                if reduce_scatter:
-                    target = collectives.shard_of(
-                        target, self.collective_group_size, self.collective_group_rank
-                    )
-                records.append(self._record("all_reduce", target, inter))
-                launched.extend(
-                    collectives.all_reduce(target, inter, average=average, label=f"{self.label}.inter")
-                )
-            launched.after.append(lambda: CommStats.end(records))
-            return launched
-
-        return collectives.chain(within, across, inter, self.buckets[0].grad_data.device)
-
-    def _record(
-        self, op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = None
-    ) -> CollectiveRecord:
-        group = group or self.collective_group
-        return self.stats.begin(op, tensor.numel() * tensor.element_size(), group.size(), tensor.device)
 
     def drain_in_flight(self) -> None:
         """Wait for this group's reduction and gather if they are still in flight (and keep no handle),
@@ -281,7 +227,7 @@ class ParamAndGradBucketGroup:
         if not self.ddp_config.overlap_grad_reduce:
             self.start_grad_sync(force_all_reduce)
             self._copy_back_extra_main_grads()
-            self._report_grad_norms()
+            self._report_grad_checks()
             return
         if self.grad_reduce_finished:
             return
@@ -299,24 +245,11 @@ class ParamAndGradBucketGroup:
             self.grad_reduce_handle = None
         self._copy_back_extra_main_grads()
         self.grad_reduce_finished = True
-        self._report_grad_norms()
+        self._report_grad_checks()
 
-    def _report_grad_norms(self) -> None:
-        """The NaN/Inf and large-grad checks of this cycle's reduction, on every rank: one all-gather of
-        the buckets' local norms, one host read."""
-        if self.grad_norms is None or not self._grad_norms_recorded:
-            return
-        self._grad_norms_recorded = False
-        group = self.collective_group
-        table = self.grad_norms.gather(group, f"{self.label}.grad_norms")
-        report_grad_norms(
-            self.buckets,
-            table[group.rank()],
-            rank=dist.get_rank(),
-            check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
-            detector=self.large_grad_detector if self.ddp_config.check_for_large_grads else None,
-            bad_elsewhere=non_finite_ranks(table, group),
-        )
+    def _report_grad_checks(self) -> None:
+        if self._grad_checks is not None:
+            self._grad_checks.report(self.collective_group, self.label, self.large_grad_detector)
 
     def _copy_extra_main_grads_into_buffer(self) -> None:
         for bucket in self.buckets:
@@ -340,15 +273,7 @@ class ParamAndGradBucketGroup:
             return
         if self.param_gather_handle is not None:
             raise RuntimeError("A param all-gather is already in flight for this bucket group")
-        launched = collectives.Launched()
-        records = []
-        for bucket in self.buckets:
-            assert bucket.param_data is not None  # a distributed-optimizer buffer always has one
-            records.append(self._record("all_gather", bucket.param_data))
-            launched.extend(
-                collectives.all_gather_shards(bucket.param_data, self.collective_group, label=self.label)
-            )
-        launched.after.append(lambda: CommStats.end(records))
+        launched = self._collectives.gather_params(self.label)
         if self.ddp_config.overlap_param_gather and not force_sync:
             self.param_gather_handle = launched
         else:
