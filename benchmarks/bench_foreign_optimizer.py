@@ -1,10 +1,9 @@
 """`python benchmarks/bench_foreign_optimizer.py`: what gradsync costs an optimizer that holds none of its
-params. Building a gradsync wrapper registers torch's process-wide optimizer step hooks (the step guard, the
-weight-install marker, the adoption of hand-built optimizers), and torch runs them at every step of every
-optimizer in the process. Here a plain AdamW over a model no wrapper holds steps in rounds, one step with
-those hooks in place and one without (torch's global hook tables swapped out and back in), in one process
-and one thread; the ratio of the median steps is what the hooks cost, per param count. The floor is the
-step without them.
+params. Building a gradsync wrapper registers one process-wide optimizer step hook
+(gradsync.buffers.optimizer_watch), and torch runs it at every step of every optimizer in the process.
+Here a plain AdamW over a model no wrapper holds steps in rounds, one step with that hook in place and one
+without (torch's global hook tables swapped out and back in), in one process and one thread; the ratio of
+the median steps is what the hook costs, per param count. The floor is the step without it.
 
     python benchmarks/bench_foreign_optimizer.py [--params 100 1000 10000] [--rounds 200]
 """
@@ -35,8 +34,8 @@ GLOBAL_POST_HOOKS: dict[int, Any] = torch_optimizer._global_optimizer_post_hooks
 
 
 def register_gradsync_hooks() -> None:
-    """Build each wrapper once on a model of its own, as a training script would: that registers every
-    process-wide hook gradsync has."""
+    """Build each wrapper once on a model of its own, as a training script would: that registers the
+    process-wide hook."""
     pgs = initialize_model_parallel(tensor_model_parallel_size=1)
     config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)
     DistributedDataParallel(ModelParallelConfig(), config, nn.Linear(8, 8), pg_collection=pgs)
@@ -99,7 +98,7 @@ def main() -> None:
         hooks = len(torch_optimizer._global_optimizer_pre_hooks) + len(
             torch_optimizer._global_optimizer_post_hooks
         )
-        print(f"{hooks} process-wide optimizer hooks registered; AdamW (foreach) over 16-element params")
+        print(f"{hooks} process-wide optimizer hook(s) registered; AdamW (foreach) over 16-element params")
         print("| params | step without the hooks (floor) | with them | step / floor | hooks per step |")
         print("|---|---|---|---|---|")
         for count in args.params:

@@ -55,7 +55,7 @@ def reduce_once(strategy: str, dtype: torch.dtype, **config: Any) -> dict[str, A
     finally:
         for home, name, original in originals:
             setattr(home, name, original)
-    groups = model._reductions.groups
+    groups = model._hooks.reductions.groups
     return {
         "calls": calls,
         "members": [len(group.buckets) for group in groups if group.buckets[0].spec.requires_grad],
@@ -106,7 +106,7 @@ def test_one_collective_per_group_and_the_grads_of_one_process(strategy: str, dt
 
 def groups_of(strategy: str, **config: Any) -> list[int]:
     model = wrap(strategy, layers=4, **config)
-    return [len(group.buckets) for group in model._reductions.groups]
+    return [len(group.buckets) for group in model._hooks.reductions.groups]
 
 
 @pytest.mark.parametrize(
@@ -153,8 +153,8 @@ def gathers_after_a_step(strategy: str, dtype: torch.dtype) -> tuple[int, int, i
     finally:
         for home, name, original in originals:
             setattr(home, name, original)
-    weights = {name: param.detach().float().cpu().clone() for name, param in model.raw_param.items()}
-    return calls, len(model._reductions.groups), per_gather, weights
+    weights = {r.name: r.compute.detach().float().cpu().clone() for r in model.params}
+    return calls, len(model._hooks.reductions.groups), per_gather, weights
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -55,7 +55,9 @@ def units_gathered_when_the_first_runs(units_ahead: int) -> int:
     seen: list[int] = []
 
     def count(*_: object) -> None:
-        gathered = [any(b.status is not BucketStatus.EMPTY for b in bs) for bs in model._unit_buckets]
+        gathered = [
+            any(b.status is not BucketStatus.EMPTY for b in bs) for bs in model._hooks.buckets.of_unit
+        ]
         seen.append(sum(gathered))
 
     model.units[0].register_forward_pre_hook(count)
@@ -77,7 +79,7 @@ def most_reductions_in_flight(units: int | None) -> int:
         "optim_grads", layers=LAYERS, suggested_communication_unit_size=size, bucket_size=bucket_size
     )
     most = 0
-    reductions = model._reductions
+    reductions = model._hooks.reductions
     launch = reductions.launch
 
     def counted(bucket: Any) -> None:
@@ -115,7 +117,9 @@ def zero1_units_gathered_when_the_first_runs(units_ahead: int | None) -> int:
     seen: list[int] = []
 
     def count(*_: object) -> None:
-        seen.append(sum(any(b.status is not BucketStatus.EMPTY for b in bs) for bs in model._unit_buckets))
+        seen.append(
+            sum(any(b.status is not BucketStatus.EMPTY for b in bs) for bs in model._hooks.buckets.of_unit)
+        )
 
     model.units[0].register_forward_pre_hook(count)
     model(local_microbatches(1, rank, world, 1)[0]).backward()

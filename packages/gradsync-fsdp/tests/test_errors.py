@@ -111,7 +111,8 @@ def nan_in_one_param_on_rank_1() -> str:
     model = fully_shard_model(TinyTransformer(), fsdp_unit_modules=[Block], report_nan_in_param_grad=True)
     batch = local_microbatches(0, dist.get_rank(), 2, 1)[0]
     if dist.get_rank() == 1:
-        model.raw_param["blocks.1.down.bias"].register_hook(lambda grad: grad * float("nan"))
+        poisoned = next(r.compute for r in model.params if r.name == "blocks.1.down.bias")
+        poisoned.register_hook(lambda grad: grad * float("nan"))
     with pytest.raises(RuntimeError, match=r"on rank\(s\) \[1\]") as caught:
         model(batch).backward()
     return str(caught.value)

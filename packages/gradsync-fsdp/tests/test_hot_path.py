@@ -135,7 +135,7 @@ def waits_before_the_last_launch(strategy: str) -> int:
     model.suggested_RS_queue_capacity = 1
     loss = model(local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0])
     events: list[str] = []  # from here on: the backward's
-    original_wait, launch = collectives.Launched.wait, model._reductions.launch
+    original_wait, launch = collectives.Launched.wait, model._hooks.reductions.launch
 
     def wait(self: collectives.Launched) -> None:
         events.append("wait")
@@ -146,7 +146,7 @@ def waits_before_the_last_launch(strategy: str) -> int:
         launch(bucket)  # type: ignore[arg-type]
 
     collectives.Launched.wait = wait  # type: ignore[method-assign]
-    model._reductions.launch = recording_launch  # type: ignore[method-assign]
+    model._hooks.reductions.launch = recording_launch  # type: ignore[method-assign]
     try:
         loss.backward()
     finally:

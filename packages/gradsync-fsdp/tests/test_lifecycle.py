@@ -39,7 +39,8 @@ def dropped_wrapper_is_collected(strategy: str) -> tuple[bool, bool, bool]:
     model(local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]).backward()
     optimizer.step()
     optimizer.zero_grad()
-    kept = model.raw_param["blocks.0.up.weight"]  # a param the user still holds loses its grad hooks
+    # a param the user still holds loses its grad hooks
+    kept = next(r.compute for r in model.params if r.name == "blocks.0.up.weight")
     wrapper = weakref.ref(model)
     grads = [weakref.ref(bucket.grad) for bucket in model.buckets if bucket.grad is not None]
     del model, optimizer, module

@@ -28,7 +28,7 @@ def held_after_two_steps(strategy: str) -> dict[str, int]:
     for step in range(2):
         trainer.step(step, 1)
     model = trainer.model
-    assert all(p.grad is None for p in model.raw_param.values()), "per-param grads left behind"
+    assert all(record.compute.grad is None for record in model.params), "per-param grads left behind"
     assert all(b.main_weight is None for b in model.buckets), "fp32 needs no separate main weights"
     momentum = [
         s["momentum_buffer"] for s in trainer.optimizer.state.values() if s.get("momentum_buffer") is not None
@@ -37,7 +37,7 @@ def held_after_two_steps(strategy: str) -> dict[str, int]:
         "params": sum(_elements(b.weight) + _elements(b.weight_shard) for b in model.buckets),
         "grads": _elements(*(b.grad for b in model.buckets)),
         "momentum": sum(m._local_tensor.numel() if isinstance(m, DTensor) else m.numel() for m in momentum),
-        "psi": sum(p.numel() for p in model.raw_param.values()),
+        "psi": sum(record.compute.numel() for record in model.params),
         "padding": sum(b.layout.size - b.spec.numel for b in model.buckets),
         "unit": max(b.layout.size for b in model.buckets if b.spec.unit_id is not None),
     }

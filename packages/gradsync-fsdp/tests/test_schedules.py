@@ -114,7 +114,7 @@ def sometimes_unused(
     units = [nn.Linear] if coalesced else None
     model = MegatronFSDP(SometimesUnused(dtype), shard_index(), config, fsdp_unit_modules=units, **options)
     assert len(model.buckets) == 3
-    assert len(model._reductions.groups) == (1 if coalesced else 3)
+    assert len(model._hooks.reductions.groups) == (1 if coalesced else 3)
     return model
 
 

@@ -125,14 +125,14 @@ def test_broadcast_params_reaches_every_replica() -> None:
 
 def load_across_layouts(strategy: str) -> tuple[str, bool]:
     """Shards saved by a model whose buckets all kept module order, loaded into one that balanced them."""
-    from gradsync.fsdp import megatron_fsdp
+    from gradsync.fsdp import bucket_set
 
-    balanced = megatron_fsdp.balance_param_order
-    megatron_fsdp.balance_param_order = lambda specs, layout_of: [layout_of(spec) for spec in specs]
+    balanced = bucket_set.balance_param_order
+    bucket_set.balance_param_order = lambda specs, layout_of: [layout_of(spec) for spec in specs]
     try:
         old = wrap(strategy, seed=1, layers=4)
     finally:
-        megatron_fsdp.balance_param_order = balanced
+        bucket_set.balance_param_order = balanced
     new = wrap(strategy, seed=2, layers=4)
     before = full_weights(new)
     with pytest.raises(ValueError, match="load_state_dict") as refused:

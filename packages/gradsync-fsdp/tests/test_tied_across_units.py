@@ -74,9 +74,9 @@ def train(strategy: str, share_blocks: bool, double_buffer: bool) -> dict[str, t
     model = MegatronFSDP(
         TiedAcrossUnits(share_blocks), shard_index(), config, fsdp_unit_modules=[Embedder, Block]
     )
-    tied = {model._locate(model.module.head.weight)[0].spec.unit_id}
+    tied = {model.params.of(model.module.head.weight).bucket.spec.unit_id}
     if share_blocks:
-        tied.add(model._locate(model.module.blocks[0].up.weight)[0].spec.unit_id)
+        tied.add(model.params.of(model.module.blocks[0].up.weight).bucket.spec.unit_id)
     assert tied == {None}, "params used across a unit boundary belong to no unit"
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
@@ -124,7 +124,9 @@ class ReusedSubmodule(nn.Module):
 def loss_with_reused_submodule() -> tuple[float, list[int | None]]:
     model = MegatronFSDP(ReusedSubmodule(), shard_index(), fsdp_unit_modules=[Block])  # ZeRO-3
     tokens = local_microbatches(0, dist.get_rank(), dist.get_world_size(), 1)[0]
-    return float(model(tokens)), [model._locate(p)[0].spec.unit_id for p in model.module.tail.parameters()]
+    return float(model(tokens)), [
+        model.params.of(p).bucket.spec.unit_id for p in model.module.tail.parameters()
+    ]
 
 
 def test_a_submodule_reused_outside_its_unit_leaves_the_unit() -> None:

@@ -23,7 +23,7 @@ size per step, posted before the reductions are waited for and counted after the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NoReturn
 
 import torch
@@ -73,6 +73,19 @@ def unfinished_step(in_backward: bool, training_forward: bool, backward_ran: boo
     if training_forward and not backward_ran:
         return FORWARD_WITHOUT_BACKWARD.format(call="zero_grad_buffer()")
     return None
+
+
+def skipped_backward(backward_ran: bool, grads: Callable[[], Iterable[torch.Tensor]]) -> str | None:
+    """Why a rank that syncs grads with no backward since ``zero_grad_buffer()`` and nothing written into
+    its grads abandons the step (it skipped the batch while the other ranks' reductions wait for its
+    grads), or None. Grads written by hand (tests, custom accumulation) are synced as given; only on this
+    rare path are the grads read (a host sync on an accelerator)."""
+    if backward_ran or any(bool(grad.any()) for grad in grads()):
+        return None
+    return (
+        f"finish_grad_sync() on rank {dist.get_rank()} with no backward since zero_grad_buffer(); every "
+        "data-parallel rank must run forward and backward every step"
+    )
 
 
 class AbandonedStepError(RuntimeError):
@@ -144,6 +157,22 @@ class StepBallot:
                     )
 
         return check
+
+    def vote_to_sync(
+        self,
+        backward_unfinished: bool,
+        backward_ran: bool,
+        grads: Callable[[], Iterable[torch.Tensor]],
+        abandon: Callable[[str], NoReturn],
+    ) -> Callable[[], None]:
+        """Before ``finish_grad_sync()``'s reductions, as both wrappers run them: ``abandon`` a step this
+        rank cannot finish (:meth:`refuse_abandoned`, :func:`skipped_backward`), else vote it completed.
+        The returned check, run after the reductions, raises if another rank abandoned it."""
+        self.refuse_abandoned("finish_grad_sync()", backward_unfinished, abandon)
+        skipped = skipped_backward(backward_ran, grads)
+        if skipped is not None:
+            abandon(skipped)
+        return self.post()
 
     def refuse_abandoned(
         self,

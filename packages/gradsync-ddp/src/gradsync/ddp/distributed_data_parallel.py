@@ -26,9 +26,10 @@ from gradsync.buffers import (
 )
 from gradsync.buffers.bucket_group import ParamAndGradBucketGroup
 from gradsync.buffers.comm_hook import CommHook
+from gradsync.buffers.optimizer_watch import guard_steps, watch_optimizers
 from gradsync.buffers.shard_alignment import ShardAlignmentSpec, ShardBalance
 from gradsync.buffers.step_ballot import StepBallot
-from gradsync.buffers.wrapper_claims import claim, guard_optimizer_steps
+from gradsync.buffers.wrapper_claims import claim
 from gradsync.groups import ModelParallelConfigProtocol, ProcessGroupCollection
 
 from .base import _BaseDataParallel
@@ -149,7 +150,7 @@ class DistributedDataParallel(_BaseDataParallel):
             ballot, self.grad_buffers, ddp_config, frozen_at_wrap, self._finish_forward_gathers
         )
         claim((p for _, p in named), self)
-        guard_optimizer_steps()
+        watch_optimizers()
         ballot.prepare()  # every check passed on every rank: no step has to build the vote groups
 
     def shard_balance(self) -> ShardBalance:
@@ -262,9 +263,14 @@ class DistributedDataParallel(_BaseDataParallel):
             self.grad_buffers.reset()
 
     def refuse_unsynced_step(self) -> None:
-        """Raise before an optimizer step that would apply wrong grads (run by a global step pre-hook,
-        and by the DistributedOptimizer before it reads the grads)."""
+        """Raise before an optimizer step that would apply wrong grads (run by a step pre-hook of every
+        optimizer holding these params, and by the DistributedOptimizer before it reads the grads)."""
         self._step.refuse_unsynced_step()
+
+    def attach_to_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer holding these params is about to step for the first time
+        (:mod:`gradsync.buffers.optimizer_watch`): each of its steps asks :meth:`refuse_unsynced_step`."""
+        guard_steps(optimizer, self)
 
     def _finish_forward_gathers(self) -> None:
         """The param gathers the other ranks' forward still issues when this rank abandons its step: with

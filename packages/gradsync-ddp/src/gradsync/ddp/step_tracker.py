@@ -18,7 +18,7 @@ from torch import nn
 
 from gradsync.buffers import DistributedDataParallelConfig, GradBuffers
 from gradsync.buffers.step_ballot import StepBallot, unfinished_step
-from gradsync.buffers.wrapper_claims import refuse_unfrozen, skipped_backward
+from gradsync.buffers.wrapper_claims import refuse_unfrozen
 from gradsync.groups.torch_internals import queue_backward_end_callback
 
 
@@ -57,11 +57,9 @@ class StepTracker:
         """Around ``finish_grad_sync()``'s reductions: abandon a step this rank cannot finish, vote, and
         raise after the reductions if another rank abandoned it."""
         self.forward_unsynced = False
-        self.ballot.refuse_abandoned("finish_grad_sync()", self.in_backward, self.abandon)
-        skipped = skipped_backward(self.backward_this_cycle, self._grads)
-        if skipped is not None:
-            self.abandon(skipped)
-        counted = self.ballot.post()
+        counted = self.ballot.vote_to_sync(
+            self.in_backward, self.backward_this_cycle, self._grads, self.abandon
+        )
         yield
         counted()
         self.grads_pending = False

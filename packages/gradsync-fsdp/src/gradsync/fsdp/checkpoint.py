@@ -1,20 +1,26 @@
-"""MegatronFSDP's state dict: params as the optimizer's DTensor shards, loaded from shards or whole tensors.
+"""MegatronFSDP's state dict: params as the optimizer's DTensor shards, loaded from shards or whole tensors,
+and the whole model gathered for export.
 
-Neither direction runs a collective. Each rank knows from the layout which rows of every param it owns,
-so a whole tensor (from an unwrapped model, or gathered) is loaded by copying those rows, and a DTensor
-saved by the same layout by copying its local shard.
+The sharded state dict runs no collective, in either direction. Each rank knows from the layout which rows
+of every param it owns, so a whole tensor (from an unwrapped model, or gathered) is loaded by copying those
+rows, and a DTensor saved by the same layout by copying its local shard.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .bucket import FlatParamBucket
+from .dcp import FIRST_ROW, describe_shard
 from .ragged import split_of
+from .registration import ParamRegistry
+from .sharded_param import ShardedParams
+from .torch_internals import detach_for_saving
 
 
 def param_keys(module: nn.Module, prefix: str = "module.") -> dict[str, nn.Parameter]:
@@ -63,3 +69,64 @@ def param_loader(
             local.copy_(source.reshape(local.shape))
 
     return copy
+
+
+def add_sharded_params(
+    destination: dict[str, Any], module: nn.Module, params: ShardedParams, prefix: str, keep_vars: bool
+) -> None:
+    """Put every param of ``module`` (tied aliases included) into ``destination`` as the optimizer's
+    DTensor shard, described for ``torch.distributed.checkpoint``."""
+    for key, param in param_keys(module, prefix).items():
+        sharded = params.of(param).sharded
+        value = sharded if keep_vars else detach_for_saving(sharded)
+        first_row = getattr(sharded, FIRST_ROW, None)
+        destination[key] = value if first_row is None else describe_shard(value, first_row)
+
+
+def load_sharded_params(module: nn.Module, params: ShardedParams, state_dict: dict[str, Any]) -> set[str]:
+    """Copy the rows this rank owns of every param of ``module`` that ``state_dict`` holds (DTensor shards
+    of the same layout, or whole tensors), each checked before any is copied; the keys of ``module``'s
+    params (``module.``-prefixed)."""
+    keys = param_keys(module)
+    copies = []
+    for key, param in keys.items():
+        if key in state_dict:
+            record = params.of(param)
+            copies.append(param_loader(key, record.bucket, record.index, record.sharded, state_dict[key]))
+    for copy in copies:  # every param checked first: a refused state dict changes nothing
+        copy()
+    return set(keys)
+
+
+def gather_full_state_dict(
+    module: nn.Module,
+    registry: ParamRegistry,
+    buckets: Sequence[FlatParamBucket],
+    *,
+    release: bool,
+    keep: bool,
+) -> dict[str, Any]:
+    """Every param whole, gathered one bucket at a time (as double buffers require), as plain CPU tensors
+    keyed like ``module``'s own state dict; an empty dict where not ``keep``. ``release``: ZeRO-3 drops
+    each bucket's gathered weights after copying them."""
+    with registry.compute_shown():
+        state = module.state_dict(keep_vars=True)
+    names_of: dict[torch.Tensor, list[str]] = {}
+    copied: dict[str, Any] = {}
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor):
+            names_of.setdefault(value, []).append(name)
+        else:  # extra state (Megatron's layers give None): kept as it is
+            copied[name] = value
+    for bucket in buckets:
+        bucket.wait_exact_gather()
+        for param in bucket.spec.params:
+            for name in names_of.pop(param, []) if keep else []:
+                copied[name] = param.detach().cpu().clone()
+        if release:
+            bucket.release()
+    if not keep:
+        return {}
+    for tensor, names in names_of.items():  # buffers
+        copied.update({name: tensor.detach().cpu().clone() for name in names})
+    return {name: copied[name] for name in state}

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
 
 def mesh_device(device_type: str) -> torch.device:
@@ -27,3 +28,18 @@ def choose_device(
     if mesh_type is not None:
         return mesh_device(mesh_type)
     return next((param.device for param in params), None)
+
+
+def wrapped_module_device(
+    asked: torch.device | None, module: nn.Module, mesh_type: str, meta_init: bool
+) -> torch.device:
+    """Where MegatronFSDP's buffers live: ``asked``, else the params' device; a meta model goes to the
+    mesh's device (the current accelerator, or the CPU). Meta params without ``meta_init`` are refused."""
+    on_meta = [name for name, p in module.named_parameters() if p.is_meta]
+    if on_meta and not meta_init:
+        raise ValueError(
+            f"MegatronFSDP: {len(on_meta)} params are on the meta device (first {on_meta[0]!r}); pass "
+            "init_model_with_meta_device=True to materialise them shard by shard, or build the model on "
+            "a real device"
+        )
+    return choose_device(asked, module.parameters(), mesh_type if on_meta else None) or torch.device("cpu")

@@ -201,14 +201,13 @@ def fully_shard(
     """Shard ``module`` (keywords as :func:`fully_shard_model`) and re-point ``optimizer``, built on
     ``module``'s params, at the sharded params, keeping its param groups and hyper-parameters."""
     model = fully_shard_model(module, **kwargs)
-    sharded = model.sharded_param_of
     for group in optimizer.param_groups:
-        unknown = [p for p in group["params"] if p not in sharded]
+        unknown = [p for p in group["params"] if p not in model.params]
         if unknown:
             raise ValueError(
                 f"fully_shard: the optimizer holds {len(unknown)} param(s) that are not module's params "
                 f"(first shape {list(unknown[0].shape)}); build it on module.parameters()"
             )
-        group["params"] = [sharded[p] for p in group["params"]]
+        group["params"] = [model.params.of(p).sharded for p in group["params"]]
     optimizer.state.clear()
     return model, fully_shard_optimizer(optimizer)

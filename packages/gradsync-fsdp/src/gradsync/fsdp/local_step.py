@@ -24,16 +24,15 @@ swaps the callers' back after it; anything replaced in between, or created by th
 param way.
 
 ``fully_shard_optimizer`` lends them around every step. An optimizer built by hand on the DTensor params
-(the fsdp2 API's users build torch's own, as with torch's ``fully_shard``) is adopted at its first step:
-a global pre-step hook wraps its later steps the same way, for torch's element-wise optimizers only (a
-matrix optimizer on the locals would see shards for whole matrices).
+(the fsdp2 API's users build torch's own, as with torch's ``fully_shard``) is adopted at its first step
+(:mod:`gradsync.fsdp.optimizer_hooks`): its later steps are wrapped the same way, for torch's element-wise
+optimizers only (a matrix optimizer on the locals would see shards for whole matrices).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import itertools
 import operator
 import types
@@ -42,14 +41,12 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from gradsync.buffers.torch_internals import local_tensor
-from gradsync.buffers.wrapper_claims import OWNER_ATTR, owners_of
+from gradsync.buffers.wrapper_claims import OWNER_ATTR
 
 from .ragged import RaggedDTensor
 from .step_tracking import OWNER
-from .torch_internals import SUBCLASS_DISPATCH
 
 
 def _as_distributed(value: Any, param: DTensor, local: torch.Tensor) -> Any:
@@ -375,8 +372,8 @@ def local_tensors_for_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 def split_state_as_params(optimizer: torch.optim.Optimizer) -> None:
     """Give state that torch's ops built as plain DTensors (a torch that runs a DTensor subclass's ops in
     C++, 2.11, drops a :class:`RaggedDTensor`'s split from their outputs) its param's split, so it gathers
-    and checkpoints as the param does. Run after every step by :func:`watch_state_splits`' hook, the
-    materialising step of ``fully_shard_optimizer`` included."""
+    and checkpoints as the param does. Run after every step of an optimizer holding MegatronFSDP's params
+    (:mod:`gradsync.fsdp.optimizer_hooks`), the materialising step of ``fully_shard_optimizer`` included."""
     for param, state in optimizer.state.items():
         if not isinstance(param, RaggedDTensor):
             continue
@@ -387,15 +384,6 @@ def split_state_as_params(optimizer: torch.optim.Optimizer) -> None:
                 and value._local_tensor.shape == param._local_tensor.shape
             ):
                 state[key] = param.like(value._local_tensor)
-
-
-@functools.cache
-def watch_state_splits() -> None:
-    """Where torch drops a :class:`RaggedDTensor`'s split from op outputs (2.11), give the state every
-    optimizer step creates its param's split (a global post-step hook, once per process: torch optimizers
-    stepped on gradsync's params directly, as with the fsdp2 API). Elsewhere nothing is registered."""
-    if not SUBCLASS_DISPATCH:
-        register_optimizer_step_post_hook(lambda optimizer, args, kwargs: split_state_as_params(optimizer))
 
 
 LENDING_ATTR = "_gradsync_steps_on_locals"
@@ -431,19 +419,12 @@ def step_on_local_tensors(optimizer: torch.optim.Optimizer) -> None:
     setattr(optimizer, LENDING_ATTR, True)
 
 
-def _adopt(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Decided once per optimizer, at its first step: the hook runs before every step of every optimizer
-    in the process, and looking for owners walks all the params."""
+def adopt_for_local_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Decided once per optimizer, at its first step on MegatronFSDP's params: torch's element-wise
+    optimizers run their later steps on the local tensors."""
     if hasattr(optimizer, LENDING_ATTR):
         return
-    adopt = type(optimizer) in ELEMENTWISE and bool(owners_of(optimizer, OWNER))
-    if adopt:  # it steps MegatronFSDP's params: from its next step on
+    if type(optimizer) in ELEMENTWISE:
         step_on_local_tensors(optimizer)
     else:
         setattr(optimizer, LENDING_ATTR, False)
-
-
-@functools.cache
-def adopt_hand_built_optimizers() -> None:
-    """Register :func:`_adopt` as a global pre-step hook (once per process)."""
-    register_optimizer_step_pre_hook(_adopt)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from gradsync.buffers.checkpointing import contiguous_stride
 from gradsync.buffers.shard_alignment import SHARD_ALIGNMENT_ATTR
+from gradsync.buffers.torch_internals import local_tensor
 
 from .bucket import FlatParamBucket
 from .dcp import FIRST_ROW, describe_shard
@@ -136,3 +137,38 @@ class OptimizerGrads:
             cast.copy_(reduced)
         for param, grad in zip(params, self.grads, strict=True):
             param.grad = grad
+
+
+class OptimizerView:
+    """The optimizer's params of every bucket, built once, and their grads."""
+
+    def __init__(
+        self, buckets: Sequence[FlatParamBucket], mesh: DeviceMesh, placements: Sequence[Placement]
+    ) -> None:
+        self.params = [build_optimizer_params(bucket, mesh, placements) for bucket in buckets]
+        self._buckets = list(buckets)
+        self._grads = [OptimizerGrads(b, params) for b, params in zip(buckets, self.params, strict=True)]
+
+    def attach_grads(self) -> None:
+        """Give the optimizer's params their reduced grads."""
+        for bucket, grads, params in zip(self._buckets, self._grads, self.params, strict=True):
+            if bucket.spec.requires_grad:
+                grads.attach(params)
+
+    def drop_grads(self) -> None:
+        for params in self.params:
+            for param in params:
+                param.grad = None
+
+    def scale_grads(self, factor: float | torch.Tensor) -> None:
+        """Multiply every grad by ``factor``: the buffers, and attached grads that are copies of them."""
+        buffers = set()
+        for bucket in self._buckets:
+            if bucket.grad is not None:
+                bucket.grad.mul_(factor)
+                buffers.add(bucket.grad.untyped_storage().data_ptr())
+        for params in self.params:
+            for param in params:
+                local = local_tensor(param.grad)
+                if local is not None and local.untyped_storage().data_ptr() not in buffers:
+                    local.mul_(factor)

@@ -9,42 +9,35 @@ that get grads and get stepped) and the compute params from the root forward unt
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
-import torch
 from torch import nn
+
+from .sharded_param import ShardedParam, ShardedParams
 
 
 class ParamRegistry:
     """Every ``(module, attribute)`` that holds a compute param, and the swap between the two sets."""
 
-    def __init__(self, root: nn.Module, optimizer_param_of: Mapping[nn.Parameter, nn.Parameter]) -> None:
-        self._slots = [
-            (owner, leaf, param)
+    def __init__(self, root: nn.Module, params: ShardedParams) -> None:
+        self._slots: list[tuple[nn.Module, str, ShardedParam]] = [
+            (owner, leaf, params.of(param))
             for owner in root.modules()
             for leaf, param in owner._parameters.items()
-            if param is not None and param in optimizer_param_of
+            if param is not None and param in params
         ]
-        self._optimizer_param_of = dict(optimizer_param_of)
-        self._compute_param_of: dict[torch.Tensor, torch.Tensor] = {
-            dist_p: raw for raw, dist_p in self._optimizer_param_of.items()
-        }
         self.showing_compute = True
-
-    def compute_param(self, param: torch.Tensor) -> torch.Tensor:
-        """The compute param of ``param`` (itself when it is one)."""
-        return self._compute_param_of.get(param, param)
 
     def show_compute(self) -> None:
         if not self.showing_compute:
-            for owner, leaf, raw in self._slots:
-                owner._parameters[leaf] = raw
+            for owner, leaf, record in self._slots:
+                owner._parameters[leaf] = record.compute
             self.showing_compute = True
 
     def show_optimizer(self) -> None:
         if self.showing_compute:
-            for owner, leaf, raw in self._slots:
-                owner._parameters[leaf] = self._optimizer_param_of[raw]
+            for owner, leaf, record in self._slots:
+                owner._parameters[leaf] = record.sharded
             self.showing_compute = False
 
     @contextlib.contextmanager

@@ -2,20 +2,12 @@
 
 The optimizer's in-place updates of the DTensor shards leave no trace a model could read on every rank
 alike (a rank owning no rows of a bucket sees nothing change, and DTensor updates do not bump the flat
-buffer's version counter). torch runs global post-step hooks after every ``torch.optim.Optimizer.step``
-on every rank, so one such hook marks each model whose params the optimizer holds: a rank-consistent
-"stepped" flag, cleared by ``install_optimized_model_weights()``.
+buffer's version counter). A post-step hook of each optimizer holding a model's params
+(:mod:`gradsync.fsdp.optimizer_hooks`) marks the model after every step, on every rank: a
+rank-consistent "stepped" flag, cleared by ``install_optimized_model_weights()``.
 """
 
 from __future__ import annotations
-
-import functools
-from typing import Any
-
-from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
-from torch.utils.hooks import RemovableHandle
-
-from gradsync.buffers.wrapper_claims import owners_of
 
 
 class StepMarks:
@@ -35,16 +27,3 @@ class StepMarks:
 
 OWNER = "_megatron_fsdp_model"
 """The attribute of an optimizer param that names its MegatronFSDP (the reference's name)."""
-
-
-@functools.cache
-def watch_optimizer_steps() -> RemovableHandle:
-    """Register the global post-step hook (once per process)."""
-    return register_optimizer_step_post_hook(_mark_stepped_models)
-
-
-def _mark_stepped_models(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-    for ref in owners_of(optimizer, OWNER):
-        model = ref()
-        if model is not None:
-            model.mark_stepped()

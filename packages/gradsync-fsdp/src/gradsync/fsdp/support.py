@@ -6,10 +6,18 @@ grads, ...) raise NotImplementedError naming the field, instead of being silentl
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from gradsync.buffers import DistributedDataParallelConfig, non_default_fields, non_default_values
+from gradsync.buffers import (
+    DistributedDataParallelConfig,
+    as_ddp_config,
+    non_default_fields,
+    non_default_values,
+)
 from gradsync.groups import FSDPDistributedIndex, get_backend_capabilities
 
 from .mixed_precision import MixedPrecisionPolicy
@@ -129,15 +137,43 @@ def _check_index_matches_world(dist_index: FSDPDistributedIndex, device: torch.d
         )
 
 
-def refuse_contradicting_keywords(config: DistributedDataParallelConfig, keywords: dict[str, bool]) -> None:
-    """``MegatronFSDP(..., nccl_ub=True, ddp_config=...)``: the keywords only build a config when none is
-    given; one that a given config contradicts would be ignored, so it is refused by name."""
+def refuse_fine_grained_gathers(forward: bool, backward: bool) -> None:
+    if forward or backward:
+        raise NotImplementedError(
+            "MegatronFSDP: enable_fine_grained_param_gather_hook / _backward_hook (per-submodule "
+            "gathers) are not implemented by gradsync-fsdp; leave them False (units gather whole)"
+        )
+
+
+def default_fsdp_config() -> DistributedDataParallelConfig:
+    """ZeRO-3 with overlapped gathers and reductions, as Megatron-FSDP defaults to."""
+    return DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+    )
+
+
+def config_for_wrap(
+    config: DistributedDataParallelConfig | None, keywords: dict[str, bool]
+) -> DistributedDataParallelConfig:
+    """The config MegatronFSDP runs with. Without one, the default with ``keywords`` (``nccl_ub``, ...;
+    ``nccl_ub`` brings the double buffer it lives in). With one (Megatron-Core's own config objects too),
+    the keywords only applied when none is given: one it contradicts would be ignored, so it is refused
+    by name. The caller's config is never mutated."""
+    if config is None:
+        double_buffer = keywords["fsdp_double_buffer"] or keywords["nccl_ub"]
+        fields: dict[str, Any] = {**keywords, "fsdp_double_buffer": double_buffer}
+        return dataclasses.replace(default_fsdp_config(), **fields)
+    config = as_ddp_config(config)
     for name, value in keywords.items():
         if value and not getattr(config, name):
             raise ValueError(
                 f"MegatronFSDP: {name}=True was passed, but ddp_config.{name}={getattr(config, name)!r}; the "
                 f"keyword only applies when no ddp_config is given. Set ddp_config.{name}=True instead"
             )
+    return config
 
 
 def refuse_two_grad_wires(config: DistributedDataParallelConfig, policy: MixedPrecisionPolicy) -> None:

@@ -1,0 +1,134 @@
+"""How a MegatronFSDP model is put together once its buckets exist: the optimizer's params, one record per
+param, the gather and reduction schedules, the hooks, and the objects that keep the weights current and
+end each cycle. Each part gets what it needs at construction, so none reaches back into the wrapper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gradsync.buffers import DistributedDataParallelConfig, gradient_scaling_factors
+from gradsync.buffers.grad_checks import LocalGradNorms
+from gradsync.buffers.optimizer_watch import watch_optimizers
+from gradsync.buffers.step_ballot import StepBallot
+from gradsync.buffers.wrapper_claims import claim
+from gradsync.groups import FSDPDistributedIndex
+
+from .bucket import GradReduction
+from .bucket_set import BucketSet
+from .communication_unit import communication_unit_size, prefetch_size
+from .cycle import Cycle
+from .hsdp import OuterReplication, optimizer_placements
+from .meta_init import MetaReplacement
+from .optimizer_params import OptimizerView
+from .registration import ParamRegistry
+from .schedule import GatherSchedule, ReduceSchedule
+from .sharded_param import ShardedParams
+from .step_control import StepControl
+from .step_tracking import OWNER, StepMarks
+from .strategy import Sharding
+from .training_hooks import TrainingHooks
+from .weight_sync import WeightSync
+
+
+@dataclass(frozen=True)
+class WrapperCalls:
+    """What the parts call on the wrapper: its check before every forward, what ends a backward
+    (auto-sync), whether a backward ends the cycle, and its (labelled) wait for every reduction."""
+
+    check_forward: Callable[[], None]
+    backward_ended: Callable[[], None]
+    cycle_ends: Callable[[], bool]
+    sync_grads: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Parts:
+    params: ShardedParams
+    steps: StepMarks
+    weights: WeightSync
+    hooks: TrainingHooks
+    step: StepControl
+    communication_unit_size: int
+
+
+def assemble(
+    owner: nn.Module,
+    module: nn.Module,
+    units: list[nn.Module],
+    named: Sequence[tuple[str, nn.Parameter]],
+    buckets: BucketSet,
+    meta: MetaReplacement | None,
+    layout: tuple[Sharding, OuterReplication | None, FSDPDistributedIndex],
+    config: DistributedDataParallelConfig,
+    device: torch.device,
+    calls: WrapperCalls,
+    *,
+    calculate_per_token_loss: bool,
+    report_nan_in_param_grad: bool,
+) -> Parts:
+    """The parts of ``owner`` (the wrapper of ``module``), whose params are claimed for it and whose
+    optimizer params name it (:data:`OWNER`), so that optimizer steps find it."""
+    sharding, outer, dist_index = layout
+    shard_dim = dist_index.dp_shard_dim or ""
+    dims = (dist_index.dp_outer_dim, shard_dim) if dist_index.dp_outer_dim else (shard_dim,)
+    placements = optimizer_placements(sharding, outer)
+    optimizer = OptimizerView(buckets.buckets, dist_index.get_submesh(dims), placements)
+    params = ShardedParams(named, buckets.buckets, optimizer.params)
+    for record in params:
+        setattr(record.sharded, OWNER, owner)
+    claim([*(p for _, p in named), *(record.sharded for record in params)], owner)
+    watch_optimizers()
+    steps = StepMarks()
+    registry = ParamRegistry(module, params)
+    for meta_param, placeholder in (meta.params if meta is not None else {}).items():
+        params.alias(meta_param, placeholder)  # fully_shard's optimizer holds the meta params
+    unit_sizes = [sum(b.layout.size for b in unit) for unit in buckets.of_unit]
+    unit_size = communication_unit_size(config, sharding.shard_params, unit_sizes)
+    gathers = GatherSchedule(
+        buckets.of_unit,
+        buckets.allocators.weights,
+        prefetch_size(config, sharding.shard_params, unit_size),
+        weights_stay_whole=not sharding.shard_params,
+    )
+    grad_norms = None  # the NaN check's local norms, read once per cycle at finish_grad_sync
+    if config.check_for_nan_in_grad or report_nan_in_param_grad:
+        grad_norms = LocalGradNorms(len(buckets.buckets), device)
+    for coalesced in buckets.reduction_groups:
+        coalesced.gathers_together()
+    dense_factor, _ = gradient_scaling_factors(  # the rule gradsync-ddp follows too
+        config,
+        calculate_per_token_loss=calculate_per_token_loss,
+        data_parallel_cp_size=dist_index.get_dp_group().size(),
+        expert_data_parallel_size=1,
+    )
+    reductions = ReduceSchedule(
+        buckets.buckets,
+        buckets.reduction_groups,
+        sharding,
+        outer,
+        GradReduction(dense_factor, config.average_in_collective),
+        overlap=config.overlap_grad_reduce,
+        grad_norms=grad_norms,
+        cycle_ends=calls.cycle_ends,
+        queue_capacity=unit_size,
+        steps=steps,
+    )
+    weights = WeightSync(buckets, sharding, config, gathers, registry, steps)
+    hooks = TrainingHooks(
+        module, units, buckets, sharding, (gathers, reductions), registry, Cycle(),
+        check_forward=calls.check_forward,
+        install_stepped=weights.install_if_stepped,
+        backward_ended=calls.backward_ended,
+        report_nan_in_param_grad=report_nan_in_param_grad,
+    )  # fmt: skip
+    all_dp = outer.hybrid_group if outer is not None else dist_index.get_fsdp_group()
+    ballot = StepBallot([all_dp], "MegatronFSDP", config.check_abandoned_steps)
+    step = StepControl(buckets, hooks, optimizer, params, all_dp, ballot, grad_norms, calls.sync_grads)
+    hooks.register(params)
+    registry.show_optimizer()
+    return Parts(params, steps, weights, hooks, step, unit_size)

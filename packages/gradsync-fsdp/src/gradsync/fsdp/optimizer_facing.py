@@ -1,0 +1,155 @@
+"""What the optimizer and checkpoints see of a MegatronFSDP model: the sharded params, their grads and state
+dict, and what an optimizer step tells the model.
+
+:class:`OptimizerFacing` is MegatronFSDP's base: it holds that half of the reference's API, over the parts
+MegatronFSDP builds (:mod:`gradsync.fsdp.assembly`), so the wrapper's own class keeps the module-facing
+half (forward, backward, gathers, the grad sync). A move or cast of the model after wrapping is refused
+here too: it would leave the optimizer stepping copies of its params.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+
+from gradsync.groups import FSDPDistributedIndex
+
+from .bucket import FlatParamBucket
+from .checkpoint import add_sharded_params, gather_full_state_dict, load_sharded_params
+from .optimizer_hooks import attach_optimizer
+from .sharded_param import ShardedParam, ShardedParams
+from .step_control import StepControl
+from .step_tracking import OWNER, StepMarks
+from .strategy import Sharding
+from .training_hooks import TrainingHooks
+from .weight_sync import WeightSync
+
+
+class OptimizerFacing(nn.Module):
+    """The optimizer-facing API of :class:`~gradsync.fsdp.MegatronFSDP`, over the parts it builds."""
+
+    module: nn.Module
+    dist_index: FSDPDistributedIndex
+    sharding: Sharding
+    buckets: list[FlatParamBucket]
+    params: ShardedParams
+    steps: StepMarks
+    _probe: ShardedParam | None
+    _hooks: TrainingHooks
+    _weights: WeightSync
+    _step: StepControl
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The optimizer's DTensor params, named as in the wrapped module with a ``module.`` prefix."""
+        for record in self.params:
+            yield f"{prefix}{'.' if prefix else ''}module.{record.name}", record.sharded
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """Buffers as usual, params as the optimizer's DTensor shards (``module.``-prefixed; tied aliases
+        map to the same DTensor), described for ``torch.distributed.checkpoint``. Local: no collective
+        runs, so any rank may call it alone."""
+        destination: dict[str, Any] = super().state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", "") + "module."
+        add_sharded_params(destination, self.module, self.params, prefix, kwargs.get("keep_vars", False))
+        return destination
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load params from DTensor shards of the same layout or from whole tensors (each rank copies the
+        rows it owns), buffers as usual; then install the weights. No collective runs."""
+        params = load_sharded_params(self.module, self.params, state_dict)
+        rest = {k: v for k, v in state_dict.items() if k not in params}
+        result = super().load_state_dict(rest, strict=False, assign=assign)
+        result.missing_keys[:] = [k for k in result.missing_keys if k not in params or k not in state_dict]
+        if strict and (result.missing_keys or result.unexpected_keys):
+            raise RuntimeError(
+                f"MegatronFSDP.load_state_dict: missing keys {result.missing_keys}, unexpected keys "
+                f"{result.unexpected_keys}"
+            )
+        self.install_optimized_model_weights()
+        return result
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, Any]:
+        """Every param whole, as plain CPU tensors keyed like the wrapped module's own state dict (tied
+        aliases included), for inference or export. A collective: every rank of the shard group calls it;
+        with ``rank0_only`` only the group's rank 0 gets the tensors, the others an empty dict."""
+        self._weights.install_if_stepped()
+        keep = not rank0_only or self.dist_index.get_dp_group().rank() == 0
+        registry, release = self._hooks.registry, self.sharding.shard_params
+        return gather_full_state_dict(self.module, registry, self.buckets, release=release, keep=keep)
+
+    def _apply(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused (``to()``, ``cuda()``, ``float()``, ``to_empty()``, ... all come here): torch would put
+        a copy in place of each param, which the wrapper never reads or steps."""
+        raise NotImplementedError(
+            "MegatronFSDP: moving or casting the model (to(), cuda(), cpu(), float(), half(), to_empty(), "
+            "...) after wrapping is not supported: its params are views of the wrapper's flat buffers, and "
+            "torch would put copies the wrapper never reads or steps in their place (a move to the device "
+            "they are on still strips the wrapper's marks from them). Move or cast the module before "
+            "wrapping, or pass device= (for dtypes, mixed_precision_policy)"
+        )
+
+    def _refuse_converted(self) -> None:
+        """Raise when a move or cast of the wrapped module itself (``module.to()``, ...) swapped the
+        optimizer's params it holds between steps for copies: those lose the marks that step tracking and
+        the step guard read, and a move to another device leaves the optimizer stepping copies. One param
+        is looked at per forward, so a conversion of a submodule that does not hold it goes unseen, and so
+        does one during a step (the module then holds the compute params, which keep their marks)."""
+        if self._probe is not None and getattr(self._probe.sharded, OWNER, None) is not self:
+            raise RuntimeError(
+                f"MegatronFSDP: param {self._probe.name} of the wrapped module is a copy the wrapper does "
+                "not hold: the module was moved or cast after wrapping (module.to(), cuda(), float(), "
+                "to_empty(), ...), which swaps each param for one the wrapper never reads or steps. Move "
+                "or cast the module before wrapping (device=, mixed_precision_policy), and wrap it again"
+            )
+
+    def install_optimized_model_weights(self) -> None:
+        """Copy the optimizer's updated weights into the compute weights; ZeRO-1/2 replicas are gathered
+        at the next forward, or now when ``overlap_param_gather`` is off."""
+        self._weights.install()
+
+    def broadcast_params(self) -> None:
+        """Make every rank's weights DP rank 0's (every replica, outer ones included): gather each bucket
+        whole, broadcast it, re-shard. Under ZeRO-3 each rank kept only its shard of its own initial
+        weights, so what is broadcast is the gathered model: build identical models (same seed) or load a
+        state dict to start from one."""
+        self._weights.broadcast(self.dist_index.get_dp_group())
+
+    def attach_grad_to_optimizer_state(self) -> None:
+        """Give the optimizer's params their reduced grads."""
+        self._step.optimizer.attach_grads()
+
+    def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
+        """Multiply every grad by ``scaling_factor``: the buffers, and attached grads that are copies."""
+        self._step.optimizer.scale_grads(scaling_factor)
+
+    @property
+    def step_left_broken(self) -> bool:
+        """Whether this rank's step went wrong in a way only the next ``zero_grad_buffer()`` settles: a
+        backward that raised part-way, a training forward with no backward (both abandon the step
+        there), or a step abandoned here or on another rank (the buffers hold its partial grads). Loops
+        that call no ``zero_grad_buffer()`` (the FSDP2-style API) ask this at the next forward."""
+        return self._step.step_left_broken
+
+    def refuse_unsynced_step(self) -> None:
+        """Raise before an optimizer step that would apply wrong grads (run by a step pre-hook of every
+        optimizer holding these params)."""
+        self._step.refuse_unsynced_step()
+
+    def attach_to_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer holding these params is about to step for the first time
+        (:mod:`gradsync.buffers.optimizer_watch`): attach what its steps need (:mod:`.optimizer_hooks`)."""
+        attach_optimizer(optimizer, self)
+
+    def mark_stepped(self) -> None:
+        """An optimizer updated the params: the next forward (or weight read) installs the weights unless
+        ``install_optimized_model_weights()`` runs first, and no grad may arrive before
+        ``zero_grad_buffer()``. torch optimizers call it by themselves; call it after an update made any
+        other way."""
+        self.steps.mark()

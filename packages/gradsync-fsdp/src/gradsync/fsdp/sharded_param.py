@@ -1,0 +1,73 @@
+"""One record per param of a MegatronFSDP model: everything the wrapper knows about it, in one place.
+
+A param lives as two tensors. The compute param is the module's own, a view of its bucket's weights, with
+``main_grad`` on it, where Megatron's code reads it. The optimizer's param is a DTensor over the bucket's
+main weights. Lookups from either tensor go through one map to the record, so no other place keeps a
+per-param map that could drift from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .bucket import FlatParamBucket
+
+
+@dataclass(eq=False)
+class ShardedParam:
+    """A param as the wrapper holds it: its name in the wrapped module, its compute param (item ``index``
+    of ``bucket``), the optimizer's sharded param, and whether it was frozen when wrapped (it then has no
+    grad buffer or hook, so an optimizer step that finds it trainable is refused)."""
+
+    name: str
+    compute: nn.Parameter
+    bucket: FlatParamBucket
+    index: int
+    sharded: nn.Parameter
+    frozen_at_wrap: bool
+
+
+class ShardedParams:
+    """Every record, in the wrapped module's ``named_parameters()`` order, and the one map from a tensor
+    (compute or sharded param) to its record."""
+
+    def __init__(
+        self,
+        named: Sequence[tuple[str, nn.Parameter]],
+        buckets: Sequence[FlatParamBucket],
+        optimizer_params: Sequence[Sequence[nn.Parameter]],
+    ) -> None:
+        where = {
+            param: (bucket, index, sharded)
+            for bucket, params in zip(buckets, optimizer_params, strict=True)
+            for index, (param, sharded) in enumerate(zip(bucket.spec.params, params, strict=True))
+        }
+        self.records = [
+            ShardedParam(name, param, *where[param][:2], where[param][2], not param.requires_grad)
+            for name, param in named
+        ]
+        self._of: dict[torch.Tensor, ShardedParam] = {
+            tensor: record for record in self.records for tensor in (record.compute, record.sharded)
+        }
+
+    def __iter__(self) -> Iterator[ShardedParam]:
+        return iter(self.records)
+
+    def __contains__(self, tensor: object) -> bool:
+        return tensor in self._of
+
+    def of(self, tensor: torch.Tensor) -> ShardedParam:
+        """The record of a compute param, an optimizer param, or an alias given to :meth:`alias`."""
+        return self._of[tensor]
+
+    def alias(self, tensor: torch.Tensor, known: torch.Tensor) -> None:
+        """Let ``tensor`` (a meta param the caller still holds) stand for ``known``'s record."""
+        self._of[tensor] = self._of[known]
+
+    def frozen_at_wrap(self) -> list[tuple[str, nn.Parameter]]:
+        """Both tensors of every param frozen when wrapped: the module shows either one."""
+        return [(r.name, t) for r in self.records if r.frozen_at_wrap for t in (r.compute, r.sharded)]

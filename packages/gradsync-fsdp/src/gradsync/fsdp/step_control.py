@@ -1,0 +1,182 @@
+"""The end of a MegatronFSDP model's cycle: grads finished for the optimizer, a step refused when it would
+apply wrong grads, a step abandoned on one rank completed for the others, and the buffers zeroed.
+
+A rank that abandons a step (a backward that raised, a batch skipped after its forward) must still issue
+every collective the other ranks' forward, backward and ``finish_grad_sync()`` wait in, then every rank
+raises by name (:mod:`gradsync.buffers.step_ballot`): nothing hangs, and no rank steps on partial grads.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from gradsync.buffers import telemetry
+from gradsync.buffers.grad_checks import LocalGradNorms, non_finite_ranks
+from gradsync.buffers.step_ballot import StepBallot, unfinished_step
+from gradsync.buffers.wrapper_claims import refuse_unfrozen
+
+from .bucket_set import BucketSet
+from .cycle import Cycle
+from .optimizer_params import OptimizerView
+from .registration import ParamRegistry
+from .schedule import ReduceSchedule
+from .sharded_param import ShardedParams
+from .training_hooks import TrainingHooks
+
+
+class StepControl:
+    """Finishing, checking, abandoning and zeroing one model's cycle. ``sync_grads`` launches the
+    deferred reductions and waits for every reduction in flight (the wrapper's, so it is labelled)."""
+
+    def __init__(
+        self,
+        buckets: BucketSet,
+        hooks: TrainingHooks,
+        optimizer: OptimizerView,
+        params: ShardedParams,
+        all_dp_group: dist.ProcessGroup,
+        ballot: StepBallot,
+        grad_norms: LocalGradNorms | None,
+        sync_grads: Callable[[], None],
+    ) -> None:
+        self.buckets, self.hooks, self.optimizer = buckets, hooks, optimizer
+        self.cycle: Cycle = hooks.cycle
+        self.reductions: ReduceSchedule = hooks.reductions
+        self.registry: ParamRegistry = hooks.registry
+        self._frozen_at_wrap = params.frozen_at_wrap()
+        self.all_dp_group, self.ballot, self.grad_norms = all_dp_group, ballot, grad_norms
+        self.sync_grads = sync_grads
+
+    def finish(self) -> None:
+        """Every grad of the cycle reduced exactly once, checked, then attached to the optimizer's params;
+        once per backward."""
+        cycle = self.cycle
+        if cycle.grads_finished:
+            return
+        cycle.forward_unsynced = False
+        counted = self.ballot.vote_to_sync(
+            cycle.in_backward, cycle.backward_ran, self._grad_buffers, self.abandon
+        )
+        self.sync_grads()
+        self.refuse_non_finite_grads()
+        counted()
+        self.optimizer.attach_grads()
+        cycle.microbatch_count = 0
+        cycle.grads_finished = True
+        cycle.grads_pending = False
+        if not cycle.forwards_awaiting_backward:  # a later backward may still recompute (auto-sync)
+            self.registry.show_optimizer()
+
+    def refuse_non_finite_grads(self) -> None:
+        """Raise on every rank, naming the ranks (and, with ``report_nan_in_param_grad``, this rank's
+        params), if any rank's local grads held NaN or Inf before a reduction of this cycle."""
+        if self.grad_norms is None:
+            return
+        group = self.all_dp_group
+        bad = non_finite_ranks(self.grad_norms.gather(group, "fsdp.grad_norms"), group)
+        buckets = self.buckets.buckets
+        params = {b.bucket_id: b.non_finite_params for b in buckets}
+        for bucket in buckets:
+            bucket.non_finite_params = []
+        if bad:
+            bucket_id, ranks = min(bad.items())
+            names = ", ".join(buckets[bucket_id].spec.names)
+            here = f"; on this rank in the grads of {params[bucket_id]}" if params[bucket_id] else ""
+            raise RuntimeError(
+                f"MegatronFSDP (check_for_nan_in_grad=True): NaN or Inf in the grads of bucket {bucket_id} "
+                f"({names}) on rank(s) {ranks}, before the reduction{here}"
+            )
+
+    def zero(self) -> None:
+        """Zero the grad buffers and drop the optimizer params' grads; a backward that raised part-way
+        abandons the step here."""
+        cycle = self.cycle
+        reason = unfinished_step(cycle.in_backward, cycle.forward_unsynced, cycle.backward_ran)
+        if reason is not None:
+            self.abandon(reason)
+        cycle.forward_unsynced = False
+        self.reductions.new_cycle()
+        cycle.forwards_awaiting_backward = 0  # the cycle is over (a training forward alone abandoned it)
+        self.registry.show_optimizer()
+        buckets = self.buckets.buckets
+        for bucket in buckets:
+            bucket.zero_grad()
+            bucket.non_finite_params = []
+        for bucket in buckets:
+            bucket.note_zeroed()
+        if self.grad_norms is not None:
+            self.grad_norms.reset()
+        self.optimizer.drop_grads()
+        cycle.grads_finished = False
+        cycle.grads_pending = cycle.backward_ran = self.ballot.abandoned = False
+        self.ballot.others_abandoned = False
+        for bucket in buckets:
+            bucket.stats.reset()
+        telemetry.next_step()
+
+    def _grad_buffers(self) -> Iterator[torch.Tensor]:
+        return (bucket.grad for bucket in self.buckets.buckets if bucket.grad is not None)
+
+    @property
+    def step_left_broken(self) -> bool:
+        abandoned = self.ballot.abandoned or self.ballot.others_abandoned
+        cycle = self.cycle
+        unfinished = unfinished_step(cycle.in_backward, cycle.forward_unsynced, cycle.backward_ran)
+        return abandoned or unfinished is not None
+
+    def refuse_unsynced_step(self) -> None:
+        cycle = self.cycle
+        self.ballot.refuse_abandoned(
+            "an optimizer step",
+            cycle.in_backward,
+            self.abandon,
+            forward_without_backward=cycle.forward_unsynced and not cycle.backward_ran,
+        )
+        if cycle.grads_pending:  # every rank usually runs the same code: each raises, no collective waits
+            raise RuntimeError(
+                "MegatronFSDP: optimizer step after a backward whose grads were not synchronised; call "
+                "model.finish_grad_sync() (finalize_model_grads does) between the last backward and the "
+                "step: the optimizer's params hold no reduced grads of this backward"
+            )
+        refuse_unfrozen(self._frozen_at_wrap, "MegatronFSDP")
+
+    def abandon(self, reason: str) -> NoReturn:
+        """Complete this step's collectives for the other ranks, then raise on every rank."""
+        cycle = self.cycle
+        no_forward = not (cycle.in_backward or cycle.backward_ran or cycle.forwards_awaiting_backward)
+        cycle.grads_pending = cycle.forward_unsynced = False
+        try:
+            self.ballot.abandon(functools.partial(self._complete_step_collectives, no_forward), reason)
+        finally:
+            cycle.in_backward = False  # one vote per abandoned step, whatever the completion raised
+
+    def _complete_step_collectives(self, no_forward: bool) -> None:
+        """What the other ranks' forward, backward and ``finish_grad_sync()`` still communicate: a forward's
+        gathers when this rank ran none (every unit in forward order, as the others' forward issues them),
+        the rest of an abandoned backward (ZeRO-3 gathers each unit it did not reach, in backward order;
+        every bucket's reduction in launch order), the reductions deferred to the cycle's end, the NaN
+        check's gather."""
+        hooks, cycle = self.hooks, self.cycle
+        units = range(len(hooks.units))
+        if no_forward:
+            hooks.install_stepped()
+            hooks.gather_for_forward()
+            for unit_id in units if hooks.sharding.shard_main else ():
+                hooks.gathers.gather_unit(unit_id, prefetch=unit_id + 1)
+                hooks.release_after_forward(unit_id, backward_follows=True)
+        if cycle.in_backward or not cycle.backward_ran:
+            if not cycle.in_backward:
+                hooks.gather_root_buckets()
+            if hooks.sharding.shard_params:
+                for unit_id in reversed(units):
+                    if not hooks.unit_in_post_backward(unit_id):
+                        hooks.unit_pre_backward(unit_id)
+                        hooks.unit_post_backward(unit_id)
+            hooks.end_backward()
+        self.sync_grads()
+        self.refuse_non_finite_grads()

@@ -1,0 +1,230 @@
+"""A MegatronFSDP model's forward and backward hooks: when weights are gathered and released, when the
+modules show the compute params, and when a param's grad enters its bucket.
+
+The hooks decide *what* happens at each point of a training step; :mod:`gradsync.fsdp.schedule` decides
+*when* it communicates. They run outside ``torch.compile``'s trace (:func:`outside_compile`), as torch
+FSDP2's do, so a compiled model never freezes one mesh's groups into its frame. Module hooks sit in the
+modules' hook dicts, which the garbage collector sees, so the cycle wrapper -> module -> hook -> wrapper is
+collected once nothing else holds either. A param's hooks are invisible to it: those hold these hooks
+weakly (:func:`weak_method`) and are removed, with the params' ``main_grad`` views, when they go.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from gradsync.groups.torch_internals import queue_backward_end_callback
+
+from .bucket import FlatParamBucket
+from .bucket_set import BucketSet
+from .cycle import Cycle
+from .hooks import (
+    TrainingState,
+    attach_post_backward,
+    get_state,
+    on_first_output_grad,
+    outside_compile,
+    set_state,
+    weak_method,
+)
+from .labels import labelled
+from .registration import ParamRegistry
+from .schedule import GatherSchedule, ReduceSchedule
+from .sharded_param import ShardedParams
+from .strategy import Sharding
+
+
+class TrainingHooks:
+    """The hooks of one wrapped ``module`` over its ``units``. Every root forward runs ``check_forward``
+    first (the wrapper's checks), then ``install_stepped`` (an optimizer step's weights, before any
+    gather); every backward ends with ``backward_ended`` (the wrapper's auto-sync)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        units: list[nn.Module],
+        buckets: BucketSet,
+        sharding: Sharding,
+        schedules: tuple[GatherSchedule, ReduceSchedule],
+        registry: ParamRegistry,
+        cycle: Cycle,
+        *,
+        check_forward: Callable[[], None],
+        install_stepped: Callable[[], None],
+        backward_ended: Callable[[], None],
+        report_nan_in_param_grad: bool,
+    ) -> None:
+        self.module, self.units, self.buckets, self.sharding = module, units, buckets, sharding
+        self.gathers, self.reductions = schedules
+        self.registry, self.cycle = registry, cycle
+        self.check_forward, self.install_stepped = check_forward, install_stepped
+        self.backward_ended = backward_ended
+        self.report_nan_in_param_grad = report_nan_in_param_grad
+        self.units_kept_after_forward: set[int] = set()  # ZeRO-3 units not released after their forward
+        self._all_modules = list(module.modules())
+        self._modules_of_unit = [list(unit.modules()) for unit in units]
+        set_state(self._all_modules, TrainingState.IDLE)
+
+    def register(self, params: ShardedParams) -> None:
+        self.module.register_forward_pre_hook(outside_compile(self.root_pre_forward), prepend=True)
+        self.module.register_forward_hook(outside_compile(self.root_post_forward))
+        for unit_id, unit in enumerate(self.units):
+            unit.register_forward_pre_hook(
+                outside_compile(functools.partial(self.unit_pre_forward, unit_id)),
+                prepend=True,
+                with_kwargs=True,
+            )
+            unit.register_forward_hook(outside_compile(functools.partial(self.unit_post_forward, unit_id)))
+        grad_hooks = [
+            record.compute.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                # not the record: it reaches the wrapper, which a kept param's hook must not hold
+                weak_method(self, "on_grad", record.name, record.bucket, record.index)
+            )
+            for record in params
+            if record.compute.requires_grad
+        ]
+        weakref.finalize(self, _detach_from_params, grad_hooks, [record.compute for record in params])
+
+    # --- forward -----------------------------------------------------------------------------------
+    @labelled("root_pre_forward")
+    def root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        self.check_forward()  # every rank fails alike: each raises before any collective
+        if module.training and torch.is_grad_enabled():  # noted first: a forward that raises counts too
+            self.cycle.forward_unsynced = True
+        self.install_stepped()
+        self.registry.show_compute()
+        self.gather_for_forward()
+
+    def gather_for_forward(self) -> None:
+        """The forward's first gathers: the buckets outside every unit, and the first units' prefetch."""
+        if self.sharding.name == "no_shard":
+            return
+        for bucket in self.buckets.outside_units:
+            bucket.launch_gather()
+        self.gathers.prefetch(0 if self.units else None)
+        for bucket in self.buckets.outside_units:
+            bucket.wait_gather()
+
+    def root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            self.cycle.forwards_awaiting_backward += 1
+            on_first_output_grad(output, self.root_pre_backward)
+            return
+        if self.sharding.shard_params:  # no backward follows: drop what the forward gathered
+            for bucket in self.buckets.buckets:
+                bucket.release()
+        if not self.cycle.forwards_awaiting_backward:
+            self.registry.show_optimizer()
+
+    @labelled("pre_forward")
+    def unit_pre_forward(
+        self, unit_id: int, unit: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        recomputing = get_state(unit) is TrainingState.PRE_BACKWARD
+        if not recomputing:
+            set_state(self._modules_of_unit[unit_id], TrainingState.FORWARD)
+        if self.sharding.shard_main:  # no_shard's compute weights are never stale
+            self.gathers.gather_unit(unit_id, prefetch=None if recomputing else unit_id + 1)
+        if self.sharding.shard_params:
+            return attach_post_backward(args, kwargs, functools.partial(self.unit_post_backward, unit_id))
+        return None
+
+    @labelled("post_forward")
+    def unit_post_forward(self, unit_id: int, unit: nn.Module, args: Any, output: Any) -> None:
+        """ZeRO-3 releases the unit, except during recomputation (its backward follows at once) and, when
+        a backward will follow, for the last unit (backward starts with it) and ``units_kept_after_forward``
+        (FSDP2's ``reshard_after_forward=False``: no gather in the backward)."""
+        if get_state(unit) is not TrainingState.PRE_BACKWARD:  # not recomputing
+            self.release_after_forward(unit_id, backward_follows=torch.is_grad_enabled())
+        if self.sharding.shard_params:  # weights kept whole since the forward need nothing before backward
+            on_first_output_grad(output, functools.partial(self.unit_pre_backward, unit_id))
+
+    def release_after_forward(self, unit_id: int, backward_follows: bool) -> None:
+        kept = unit_id == len(self.units) - 1 or unit_id in self.units_kept_after_forward
+        if self.sharding.shard_params and not (kept and backward_follows):
+            for bucket in self.buckets.of_unit[unit_id]:
+                bucket.release()
+
+    # --- backward ----------------------------------------------------------------------------------
+    @labelled("root_pre_backward")
+    def root_pre_backward(self) -> None:
+        cycle = self.cycle
+        if cycle.in_backward:
+            return
+        cycle.in_backward = True
+        cycle.grads_finished = False
+        cycle.grads_pending = cycle.backward_ran = True
+        set_state(self._all_modules, TrainingState.PRE_BACKWARD)
+        self.gather_root_buckets()
+        queue_backward_end_callback(self.root_post_backward)
+
+    def gather_root_buckets(self) -> None:
+        """ZeRO-3: the buckets outside every unit, at the backward's start (an earlier microbatch's
+        backward may have released them)."""
+        if self.sharding.shard_params:
+            for bucket in self.buckets.outside_units:
+                bucket.launch_gather()
+            for bucket in self.buckets.outside_units:
+                bucket.wait_gather()
+
+    @labelled("pre_backward")
+    def unit_pre_backward(self, unit_id: int) -> None:
+        """ZeRO-3: gather the unit (its backward is next) and prefetch the ones before it."""
+        set_state(self._modules_of_unit[unit_id], TrainingState.PRE_BACKWARD)
+        self.gathers.gather_unit(unit_id, prefetch=unit_id - 1)
+
+    @labelled("post_backward")
+    def unit_post_backward(self, unit_id: int) -> None:
+        set_state(self._modules_of_unit[unit_id], TrainingState.POST_BACKWARD)
+        for bucket in self.buckets.of_unit[unit_id]:
+            bucket.release()
+
+    def on_grad(self, name: str, bucket: FlatParamBucket, index: int, param: torch.Tensor) -> None:
+        """``param``'s grad of this backward is complete: move it into its bucket (item ``index``)."""
+        grad = param.grad
+        if grad is None:
+            return
+        if self.report_nan_in_param_grad and not bool(torch.isfinite(grad).all()):
+            bucket.non_finite_params.append(name)
+        self.reductions.add_grad(bucket, index, grad)
+        param.grad = None
+
+    @labelled("root_post_backward")
+    def root_post_backward(self) -> None:
+        self.end_backward()
+        self.backward_ended()
+
+    def end_backward(self) -> None:
+        """End of the backward: buckets some param of which got no grad on this rank complete, every
+        reduction is waited (:meth:`ReduceSchedule.end_backward`), and ZeRO-3 drops every gathered
+        weight."""
+        self.reductions.end_backward()
+        if self.sharding.shard_params:
+            for bucket in self.buckets.buckets:
+                bucket.release()
+        set_state(self._all_modules, TrainingState.IDLE)
+        cycle = self.cycle
+        cycle.in_backward = False
+        cycle.microbatch_count += 1
+        cycle.forwards_awaiting_backward = max(0, cycle.forwards_awaiting_backward - 1)
+        if not cycle.forwards_awaiting_backward:  # no recomputation can need the compute params now
+            self.registry.show_optimizer()
+
+    def unit_in_post_backward(self, unit_id: int) -> bool:
+        return get_state(self.units[unit_id]) is TrainingState.POST_BACKWARD
+
+
+def _detach_from_params(handles: list[RemovableHandle], params: list[nn.Parameter]) -> None:
+    """The wrapper is gone: its params lose their grad hooks and their views into its grad buffers."""
+    for handle in handles:
+        handle.remove()
+    for param in params:
+        if hasattr(param, "main_grad"):
+            del param.main_grad
