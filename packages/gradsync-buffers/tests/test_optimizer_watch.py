@@ -5,6 +5,7 @@ optimizer that holds no wrapper's param nothing per param."""
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,7 +73,7 @@ def test_each_wrapper_attaches_once_and_a_new_group_is_met() -> None:
     assert (second.attached, second.refused) == ([optimizer], 1)
 
 
-def test_a_dropped_wrapper_is_not_kept_alive_by_its_optimizer() -> None:
+def test_a_dropped_wrapper_is_freed_and_one_built_again_is_met() -> None:
     watch_optimizers()
     wrapper = Wrapper()
     mine = params(1)
@@ -81,9 +82,15 @@ def test_a_dropped_wrapper_is_not_kept_alive_by_its_optimizer() -> None:
     optimizer = torch.optim.SGD(mine, lr=0.1)
     optimizer.step()
     assert wrapper.refused == 1
+    dropped = weakref.ref(wrapper)
     del wrapper
     gc.collect()
+    assert dropped() is None  # the optimizer's hooks hold it weakly
     optimizer.step()  # the guard finds no wrapper and lets the step run
+    again = Wrapper()  # a wrapper built again over the same params, the optimizer kept
+    claim(mine, again)
+    optimizer.step()
+    assert (again.attached, again.refused) == ([optimizer], 1)
 
 
 def test_a_refusal_stops_the_step() -> None:

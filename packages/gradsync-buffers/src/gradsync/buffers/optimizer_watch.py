@@ -8,8 +8,9 @@ param groups change. It finds the wrappers that claimed the params it holds (:fu
 and lets each attach its own per-optimizer hooks, once, through ``attach_to_optimizer(optimizer)``.
 
 Between changes, a step costs this hook one lookup and a tuple of (list identity, length) per param group:
-an optimizer that holds no gradsync param pays that, and nothing per param. A change is a group added or
-a group's params list replaced or resized; a param swapped in place inside the same list goes unseen.
+an optimizer that holds no gradsync param pays that, and nothing per param. A change is a group added, a
+group's params list replaced or resized, or any wrapper built since (it may have claimed params the
+optimizer already holds); a param swapped in place inside the same list goes unseen.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Protocol
 from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from .wrapper_claims import OWNER_ATTR
+from .wrapper_claims import OWNER_ATTR, claims_made
 
 _SHAPES_KEPT = 8
 """Param-group shapes remembered per optimizer: a step on lent local tensors shows a second one."""
@@ -43,6 +44,9 @@ class StepGuard(Protocol):
 class _Met:
     shapes: set[tuple[tuple[int, int], ...]] = field(default_factory=set)
     attached: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    claims: int = -1
+    """:func:`claims_made` at the last meeting: a wrapper built since, over params the optimizer already
+    held (a model wrapped again, the optimizer kept), is met at the next step."""
 
 
 _MET: weakref.WeakKeyDictionary[Optimizer, _Met] = weakref.WeakKeyDictionary()
@@ -59,7 +63,7 @@ def _meet(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     met = _MET.get(optimizer)
     if met is None:
         met = _MET[optimizer] = _Met()
-    elif shape in met.shapes:
+    elif shape in met.shapes and met.claims == claims_made():
         return
     if len(met.shapes) >= _SHAPES_KEPT:
         met.shapes.clear()
@@ -68,6 +72,7 @@ def _meet(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if owner not in met.attached:
             met.attached.add(owner)
             owner.attach_to_optimizer(optimizer)
+    met.claims = claims_made()
 
 
 def _owners(optimizer: Optimizer) -> list[OptimizerUser]:

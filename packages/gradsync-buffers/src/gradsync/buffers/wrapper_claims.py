@@ -49,7 +49,16 @@ def refuse_owned_elsewhere(owned: str | None, who: str) -> None:
         )
 
 
+_CLAIMS_MADE = [0]  # one counter, mutated in place
+
+
+def claims_made() -> int:
+    """How many times :func:`claim` ran in this process: a wrapper built since a count was read."""
+    return _CLAIMS_MADE[0]
+
+
 def claim(params: Iterable[nn.Parameter], wrapper: object) -> None:
+    _CLAIMS_MADE[0] += 1
     ref = weakref.ref(wrapper)
     for param in params:
         setattr(param, OWNER_ATTR, ref)

@@ -1,4 +1,5 @@
-"""Which config fields MegatronFSDP honours; the rest are refused by name before any collective.
+"""The config MegatronFSDP runs with, and which of its fields it honours; the rest are refused by name
+before any collective.
 
 CUDA-only features are refused off CUDA/NCCL with ValueError; features not built yet (fp8, decoupled
 grads, ...) raise NotImplementedError naming the field, instead of being silently ignored.
