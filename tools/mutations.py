@@ -23,10 +23,15 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import importlib.util
 import json
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.forkserver
 import os
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +39,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LISTED = ROOT / "tools" / "mutations.json"
@@ -72,16 +79,97 @@ def src_path(root: Path) -> str:
     return os.pathsep.join(str(root / "packages" / f"gradsync-{p}" / "src") for p in PACKAGES)
 
 
-def pytest(copy: Path, env: dict[str, str], nodes: tuple[str, ...], timeout: float) -> tuple[int, str]:
-    """Run ``nodes`` in ``copy``; the exit status (124 on timeout) and the tail of the output."""
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *nodes]
+# Third-party modules every guard run imports (about 6 s of CPU here, over half of a typical mutation's run).
+# Runs fork from a server that imported them once (multiprocessing's ``forkserver``: the server holds no
+# threads and has run no compute, so forking it is safe), and so do the ranks a run starts through the
+# harness (see ``share_warm_server``); gradsync itself is never imported there, so each run and each rank
+# imports the mutated copy afresh.
+WARM_IMPORTS = (
+    "torch",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "numpy",
+    "hypothesis",
+    "pytest",
+)
+
+
+def warm_context() -> multiprocessing.context.ForkServerContext:
+    """The warm server, started now with its output to /dev/null: the ranks it forks write their warnings
+    there rather than into this script's report (a rank's failure reaches its run's log as the harness's
+    exception, traceback included)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([m for m in WARM_IMPORTS if importlib.util.find_spec(m.split(".")[0])])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    kept = os.dup(1), os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
     try:
-        result = subprocess.run(
-            command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.dup2(kept[0], 1)
+        os.dup2(kept[1], 2)
+        for fd in (*kept, null):
+            os.close(fd)
+    return ctx
+
+
+def share_warm_server() -> None:
+    """Let the processes this run starts through the forkserver (the harness's ranks) fork from the warm
+    server too, instead of a fresh one that imports torch again. A forkserver's child already holds the
+    server's address and its alive fd, but not its pid, so multiprocessing would start a new server; where
+    this Python's internals differ, nothing is changed and the run starts its own."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    known = ("_forkserver_address", "_forkserver_alive_fd")
+    if server is not None and all(getattr(server, name, None) is not None for name in known):
+        server.ensure_running = lambda: None
+
+
+def run_pytest_in(copy: Path, env: dict[str, str], nodes: tuple[str, ...], log: str) -> None:
+    """The body of one guard run, in a process forked from the warm server: the copy's environment and
+    sources first on the path (the ranks get the same path from multiprocessing), output to ``log``, in its
+    own process group (so a timeout kills it and what it started itself)."""
+    os.setpgrp()
+    share_warm_server()
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.chdir(copy)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:0] = env["PYTHONPATH"].split(os.pathsep)
+    stray = [m for m in sys.modules if m == "gradsync" or m.startswith("gradsync.")]
+    if stray:
+        raise SystemExit(f"the warm server imported {stray}: the run would not test the copy")
+    # the server imported pytest's plugins (hypothesis) before pytest could mark them for rewriting
+    quiet = ("-W", "ignore::pytest.PytestAssertRewriteWarning")
+    sys.exit(int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", *quiet, *nodes])))
+
+
+def run_guards(
+    ctx: multiprocessing.context.ForkServerContext,
+    copy: Path,
+    env: dict[str, str],
+    nodes: tuple[str, ...],
+    timeout: float,
+) -> tuple[int, str]:
+    """Run ``nodes`` in ``copy``; the exit status (124 on timeout) and the tail of the output."""
+    log = copy / "pytest.log"
+    proc = ctx.Process(target=run_pytest_in, args=(copy, env, nodes, str(log)))
+    proc.start()
+    proc.join(timeout)
+    timed_out = proc.exitcode is None
+    assert proc.pid is not None
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the run's ranks and rank server, whatever became of it
+    proc.join()
+    if timed_out:
         return 124, f"timed out after {timeout:g} s"
-    return result.returncode, "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return int(proc.exitcode or 0), "\n".join(text.strip().splitlines()[-15:])
 
 
 def check_imports_from(copy: Path, env: dict[str, str]) -> None:
@@ -149,6 +237,7 @@ def main() -> int:
         "--jobs", type=int, default=2, help="mutations run at once, each in its own copy (default 2)"
     )
     args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # progress shows in CI logs
 
     mutations = [m for m in load(args.file) if args.select in m.name]
     if args.list:
@@ -159,6 +248,7 @@ def main() -> int:
         raise SystemExit(f"no mutation in {args.file} matches {args.select!r}")
 
     started = time.monotonic()
+    ctx = warm_context()
     with tempfile.TemporaryDirectory(prefix="gradsync-mutations-") as tmp:
         copies: Copies = queue.SimpleQueue()
         for index in range(max(1, args.jobs)):
@@ -174,7 +264,7 @@ def main() -> int:
 
             def run_unmutated(guards: tuple[str, ...]) -> tuple[tuple[str, ...], int, str]:
                 with borrowed(copies) as (copy, env):
-                    return (guards, *pytest(copy, env, guards, args.timeout))
+                    return (guards, *run_guards(ctx, copy, env, guards, args.timeout))
 
             with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
                 for guards, rc, tail in pool.map(run_unmutated, runs):
@@ -193,7 +283,7 @@ def main() -> int:
                 except ValueError as error:
                     return m, -1, str(error), 0.0
                 try:
-                    rc, tail = pytest(copy, env, m.guards, args.timeout)
+                    rc, tail = run_guards(ctx, copy, env, m.guards, args.timeout)
                 finally:
                     (copy / m.file).write_text(original)
             return m, rc, tail, time.monotonic() - t0

@@ -739,7 +739,7 @@ def test_an_abandoned_step_makes_every_rank_raise_and_leaves_no_trace(skip: str)
     """The next forward settles a step whose backward or loss raised, as zero_grad_buffer() does for
     MegatronFSDP's loops, and the optimizer step one whose forward had no backward (a batch skipped after
     its forward): every rank raises by name, and retried, training matches one process."""
-    runs = run_distributed(abandoned_then_retried, 2, args=(skip,), timeout=30)
+    runs = run_distributed(abandoned_then_retried, 2, args=(skip,), timeout=15)
     who = "AbandonedStepError: MegatronFSDP"
     (waited, first), (abandoned, second) = runs
     reason = ABANDONED_BY_RANK_ONE["step_without_backward" if skip == "no_backward" else skip]

@@ -159,7 +159,7 @@ def test_a_rank_that_abandons_its_step_makes_every_rank_raise_and_leaves_no_trac
     """Rank 1 completes the step's collectives (gathers its backward did not reach, every reduction) so
     rank 0 does not wait; both raise by name before any step; retried, training matches one process."""
     check_every_rank_raised(
-        run_distributed(abandoned_then_retried, 2, args=(strategy, skip), timeout=30), skip
+        run_distributed(abandoned_then_retried, 2, args=(strategy, skip), timeout=15), skip
     )
 
 
@@ -178,7 +178,7 @@ def test_an_abandoned_bf16_step_leaves_no_trace(strategy: str, skip: str) -> Non
     """A bf16 model (fp32 main weights): after the abandoned step is caught and retried, the weights are
     bit-identical to a run in which no rank abandoned anything (``no_forward``: the rank that skipped the
     batch issued the forward's bf16 gathers itself)."""
-    runs = run_distributed(abandoned_then_retried, 2, args=(strategy, skip, 1, torch.bfloat16), timeout=30)
+    runs = run_distributed(abandoned_then_retried, 2, args=(strategy, skip, 1, torch.bfloat16), timeout=15)
     clean = run_distributed(trained_without_a_fault, 2, args=(strategy, torch.bfloat16))
     for (message, got), want in zip(runs, clean, strict=True):
         assert message.startswith("AbandonedStepError: MegatronFSDP: rank"), message
