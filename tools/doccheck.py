@@ -25,9 +25,11 @@ Checked in every README, CONTRIBUTING.md, benchmarks/RESULTS.md and docs/*.md (`
 
   (``Computed:`` for a model's predictions): a commit of this repository, a date, the device and torch.
   Figures quoted from another publication take a ``Source:`` line naming it instead.
-- No "issue N", "the issue", "this session", "this change", "scratch script" or "spec ... §" in the docs,
-  nor in the Python the names are gathered from (``PY_GLOBS``) or constraints.txt: the docs and the code
-  state the fact or the rule itself, not how the project came to it.
+- No "issue N", "the issue", "this session", "this change", "scratch script", "our machines" or
+  "spec ... §" in the docs, nor in the Python the names are gathered from (``PY_GLOBS``), examples/ or
+  constraints.txt, and no "the session", "a session", "each session" (...) in a paragraph that does not
+  name nox (a nox session is "the `train` session", "a nox session"); a phrase wrapped over two lines
+  counts: the docs and the code state the fact or the rule itself, not how the project came to it.
 
 - The benchmark figures the docs quote (benchmarks/RESULTS.md whole, and each ``<!-- bench:NAME -->``
   block of the README and docs/performance.md) are what benchmarks/bench_report.py renders from
@@ -162,9 +164,15 @@ FIGURE_PROSE = re.compile(
 )
 FORBIDDEN = re.compile(
     r"\bissues? \d+\b|\bthis session\b|\bthis change\b|\bspec\b[^.\n]{0,30}§|§\s?\d"
-    r"|\bthe issue'?s?\b|\bscratch script\b|\btheir own issues?\b",
+    r"|\bthe issue'?s?\b|\bscratch script\b|\btheir own issues?\b|\bour machines?\b",
     re.IGNORECASE,
 )
+BARE_SESSION = re.compile(
+    r"\b(?:the|a|each|every|another|same|later|earlier|previous|next)\s+session\b", re.IGNORECASE
+)
+"""A session with nothing to say it is nox's (``the session``, not ``the `train` session``): forbidden
+unless its paragraph names nox (``NOX``), or the file is the noxfile."""
+NOX = re.compile(r"\bnox\b")
 WRAPPED_LINK = re.compile(r"!?\[[^\]]*\]\([^)\s]*$")
 """A link whose target runs past the end of its line: markdown breaks it, and the link check, reading one
 line at a time, would not see its target."""
@@ -426,11 +434,38 @@ def check_doc(ctx: Context, rel: str, text: str) -> list[Problem]:
     problems += check_versions(ctx, rel, lines)
     problems += check_bench_quotes(ctx, rel, text, lines)
     problems += [
-        Problem(rel, line.number, f"says {m.group(0)!r}: state the fact or rule itself")
-        for line in lines
-        for m in FORBIDDEN.finditer(line.text)
+        Problem(rel, number, f"says {phrase!r}: state the fact or rule itself")
+        for number, phrase in forbidden_phrases(text)
     ]
     return problems
+
+
+def forbidden_phrases(text: str, nox_file: bool = False) -> Iterator[tuple[int, str]]:
+    """(line number, phrase) of each forbidden phrase in ``text``, read a paragraph at a time so that a
+    phrase wrapped over two lines is found (``#`` comment markers dropped); a bare session
+    (``BARE_SESSION``) only where the paragraph does not name nox and the file is not the noxfile."""
+    rows = text.splitlines()
+    start = 0
+    while start < len(rows):
+        if not rows[start].strip():
+            start += 1
+            continue
+        end = start
+        while end < len(rows) and rows[end].strip():
+            end += 1
+        parts = [rows[i].strip().lstrip("#").strip() for i in range(start, end)]
+        offsets: list[int] = []
+        joined = ""
+        for part in parts:
+            offsets.append(len(joined))
+            joined += part + " "
+        found = list(FORBIDDEN.finditer(joined))
+        if not nox_file and not NOX.search(joined):
+            found += BARE_SESSION.finditer(joined)
+        for match in sorted(found, key=lambda m: m.start()):
+            row = max(i for i, offset in enumerate(offsets) if offset <= match.start())
+            yield start + row + 1, " ".join(match.group(0).split())
+        start = end
 
 
 def check_versions(ctx: Context, rel: str, lines: list[Line]) -> Iterator[Problem]:
@@ -695,21 +730,20 @@ def check_changelog(rel: str, text: str) -> Iterator[Problem]:
 
 
 def check_sources(root: Path) -> Iterator[Problem]:
-    """The code and the pins speak of the project, not of how it was made: no spec citation, none of the
-    docs' forbidden words (``FORBIDDEN``)."""
+    """The code, the examples and the pins speak of the project, not of how it was made: no spec citation,
+    none of the docs' forbidden words (``FORBIDDEN``, ``BARE_SESSION``)."""
     paths: list[Path] = []
-    for pattern in (*PY_GLOBS, "constraints.txt"):
+    for pattern in (*PY_GLOBS, "examples/*.py", "constraints.txt"):
         paths += sorted(p for p in root.glob(pattern) if p not in paths)
     for path in paths:
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
+        text = path.read_text()
+        for number, line in enumerate(text.splitlines(), start=1):
             if SPEC_CITATION.search(line):
                 yield Problem(str(path.relative_to(root)), number, "cites a spec section: state the rule")
-            for match in FORBIDDEN.finditer(line):
-                yield Problem(
-                    str(path.relative_to(root)),
-                    number,
-                    f"says {match.group(0)!r}: state the fact or rule itself",
-                )
+        for number, phrase in forbidden_phrases(text, nox_file=path.name == "noxfile.py"):
+            yield Problem(
+                str(path.relative_to(root)), number, f"says {phrase!r}: state the fact or rule itself"
+            )
 
 
 # --- entry points ---------------------------------------------------------------------------------------

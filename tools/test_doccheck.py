@@ -101,6 +101,21 @@ PLANTS = [
         'says "the issue\'s"',
     ),
     ("docs/performance.md", "(a one-off timing script,", "(a scratch script,", "says 'scratch script'"),
+    ("docs/planner.md", "The α-β form fits", "On our machines the α-β form fits", "says 'our machines'"),
+    ("docs/planner.md", "The α-β form fits", "Each session found the α-β form fits", "says 'Each session'"),
+    ("docs/planner.md", "The α-β form fits", "In a session, the α-β form fits", "says 'a session'"),
+    (
+        "integration/README.md",
+        "through the main job's `torchrun` command)\n",
+        "through the same torchrun command the\nsession runs)\n",
+        "README.md:61: says 'the session'",
+    ),
+    (
+        "docs/hsdp.md",
+        "`nox -s train -- --strategy fsdp-optim_grads_params --hsdp 2 [--hsdp-outer optim]`",
+        "`train.py --strategy fsdp-optim_grads_params --hsdp 2`",
+        "says 'The session'",
+    ),
     ("README.md", "Alpha (0.2 to 0.7)", "Alpha (0.2 to 0.5)", "the packages span 0.2 to 0.7"),
     (
         "docs/checkpoints.md",
@@ -178,13 +193,26 @@ def test_changelog_sections() -> None:
         ("benchmarks/bench.py", '"""The benchmark (issue 30)."""\n', "says 'issue 30'"),
         ("packages/gradsync-ddp/src/gradsync/ddp/x.py", "# the issue's targets\n", 'says "the issue\'s"'),
         ("constraints.txt", "# what this session pins\n", "says 'this session'"),
+        ("examples/fsdp2_llama.py", "# what the session measured\n", "says 'the session'"),
+        ("integration/train.py", '"""Timed on our machines."""\n', "says 'our machines'"),
+        ("benchmarks/bench.py", "# as run by a\n# session\n", "says 'a session'"),
     ],
 )
 def test_sources_speak_of_the_project(tmp_path: Path, path: str, text: str, expected: str) -> None:
-    """The forbidden words are looked for in the code and the pins too, not only in the docs."""
+    """The forbidden words are looked for in the code, the examples and the pins too, not only in the
+    docs, a phrase wrapped over two comment lines included."""
     (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / path).write_text(text)
     found = [str(problem) for problem in doccheck.check_sources(tmp_path)]
     assert any(f"{path}:1: {expected}" in message for message in found), found
-    (tmp_path / path).write_text(text.replace("issue", "benchmark").replace("session", "file"))
+    fixed = text.replace("issue", "benchmark").replace("session", "file").replace("our machine", "a machine")
+    (tmp_path / path).write_text(fixed)
     assert not list(doccheck.check_sources(tmp_path))
+
+
+def test_a_nox_session_may_be_named_so() -> None:
+    """A bare "the session" in a paragraph that names nox, or anywhere in the noxfile, is a nox session."""
+    doc = "`nox -s train` runs the job.\nThe session's default is 2 ranks.\n\nEach session ran it.\n"
+    assert list(doccheck.forbidden_phrases(doc)) == [(4, "Each session")]
+    assert not list(doccheck.forbidden_phrases("# each session installs\n", nox_file=True))
+    assert list(doccheck.forbidden_phrases("# this session\n", nox_file=True)) == [(1, "this session")]
