@@ -24,6 +24,9 @@ NO_COMPILE = "--no-compile"
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 CONSTRAINTS = (NO_COMPILE, "-c", str(ROOT / "constraints.txt"))
 TEST_TOOLS = ("pytest", "pytest-timeout", "hypothesis", "numpy")
+# Optional extras a package's own tests exercise (its fault-tolerance tests run on torchft); the compat
+# sessions go without them (torchft needs torch 2.7 or later), and those tests skip there.
+TEST_EXTRAS = {"ddp": ("torchft",)}
 SLOWEST = "--durations=10"  # every test session names its slowest tests, so a slow CI run shows where it went
 
 # Layer of each package and the gradsync packages it declares (its pip dependencies). Kept in step with
@@ -81,7 +84,7 @@ def install_local(session: nox.Session, *names: str, extra: tuple[str, ...] = ()
 def make_tests_session(name: str) -> None:
     @nox.session(name=f"tests-{name}")
     def tests(session: nox.Session) -> None:
-        install_local(session, name, extra=TEST_TOOLS)
+        install_local(session, name, extra=(*TEST_TOOLS, *TEST_EXTRAS.get(name, ())))
         session.run("pytest", SLOWEST, pkg_dir(name), *session.posargs)
 
     tests.__doc__ = f"pytest on gradsync-{name} in a venv holding only it and its dependencies."
@@ -310,7 +313,8 @@ def mutations(session: nox.Session) -> None:
     """The mutation check: each behaviour listed in tools/mutations.json is broken on purpose in a copy of
     the packages, and the tests guarding it must fail (tools/mutations.py; arguments go to it: -k NAME,
     --list, -v)."""
-    install_local(session, *PACKAGES, extra=TEST_TOOLS)
+    extras = (extra for p in PACKAGES for extra in TEST_EXTRAS.get(p, ()))
+    install_local(session, *PACKAGES, extra=(*TEST_TOOLS, *extras))
     session.run("python", str(ROOT / "tools" / "mutations.py"), *session.posargs)
 
 
