@@ -24,9 +24,9 @@ NO_COMPILE = "--no-compile"
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 CONSTRAINTS = (NO_COMPILE, "-c", str(ROOT / "constraints.txt"))
 TEST_TOOLS = ("pytest", "pytest-timeout", "hypothesis", "numpy")
-# Optional extras a package's own tests exercise (its fault-tolerance tests run on torchft); the compat
+# Optional extras a package's own tests exercise (their fault-tolerance tests run on torchft); the compat
 # sessions go without them (torchft needs torch 2.7 or later), and those tests skip there.
-TEST_EXTRAS = {"ddp": ("torchft",)}
+TEST_EXTRAS = {"ddp": ("torchft",), "fsdp": ("torchft",)}
 SLOWEST = "--durations=10"  # every test session names its slowest tests, so a slow CI run shows where it went
 
 # Layer of each package and the gradsync packages it declares (its pip dependencies). Kept in step with
@@ -313,8 +313,8 @@ def mutations(session: nox.Session) -> None:
     """The mutation check: each behaviour listed in tools/mutations.json is broken on purpose in a copy of
     the packages, and the tests guarding it must fail (tools/mutations.py; arguments go to it: -k NAME,
     --list, -v)."""
-    extras = (extra for p in PACKAGES for extra in TEST_EXTRAS.get(p, ()))
-    install_local(session, *PACKAGES, extra=(*TEST_TOOLS, *extras))
+    extras = {extra for p in PACKAGES for extra in TEST_EXTRAS.get(p, ())}
+    install_local(session, *PACKAGES, extra=(*TEST_TOOLS, *sorted(extras)))
     session.run("python", str(ROOT / "tools" / "mutations.py"), *session.posargs)
 
 

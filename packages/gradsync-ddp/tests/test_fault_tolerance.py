@@ -5,15 +5,7 @@ the committed steps (each the mean of its participating replica groups' batches)
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,123 +17,29 @@ pytest.importorskip("torchft", reason="torchft is an optional extra (torch >= 2.
 import ft_replica  # (after the skip: it imports torchft)
 
 from gradsync.groups.testing import run_distributed
+from gradsync.groups.testing.replica_groups import ReplicaJob
 
 SCRIPT = Path(__file__).with_name("ft_replica.py")
-LIGHTHOUSE = Path(sys.executable).with_name("torchft_lighthouse")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class Job:
-    """A lighthouse and replica groups, each a process group of its own (killed whole)."""
-
-    out: Path
-    replicas: int
-    ranks: int
-    steps: int
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        port = free_port()
-        self.address = f"http://127.0.0.1:{port}"
-        self.lighthouse = subprocess.Popen(
-            [str(LIGHTHOUSE), "--min_replicas", str(min(2, self.replicas)), "--bind", f"127.0.0.1:{port}", "--join_timeout_ms", "500",
-             "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "1000"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-
-    def launch(self, replica: int, stop: str = "", bucket_size: int = 50) -> None:
-        args = [f"--bucket-size={bucket_size}", f"--replica={replica}", f"--replicas={self.replicas}", f"--lighthouse={self.address}",
-                f"--steps={self.steps}", f"--out={self.out}", f"--stop={stop}", f"--dtype={self.dtype}"]  # fmt: skip
-        if self.ranks == 1:
-            command = [sys.executable, str(SCRIPT), *args]
-        else:
-            command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.ranks}",
-                       f"--master-port={free_port()}", str(SCRIPT), *args]  # fmt: skip
-        log = (self.out / f"log_{replica}.txt").open("a")
-        path = os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, "RUST_LOG": "error", "PYTHONPATH": path}
-        self.procs[replica] = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-    def kill_when_stopped(self, replica: int, timeout: float = 120) -> None:
-        """SIGKILL every process of the replica group once it reports it stopped where told."""
-        marker = self.out / f"stopped_{replica}"
-        deadline = time.monotonic() + timeout
-        while not marker.exists():
-            assert self.procs[replica].poll() is None, self.log(replica)
-            assert time.monotonic() < deadline, f"replica {replica} never stopped\n{self.log(replica)}"
-            time.sleep(0.05)
-        os.killpg(self.procs[replica].pid, signal.SIGKILL)
-        self.procs[replica].wait()
-        marker.unlink()
-
-    def finish(self, timeout: float = 240, expect: int = 0) -> None:
-        deadline = time.monotonic() + timeout
-        for replica, proc in self.procs.items():
-            try:
-                code = proc.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                code = None
-            assert code == expect, f"replica {replica} ended with {code}\n{self.log(replica)}"
-
-    def close(self) -> None:
-        for proc in [*self.procs.values(), self.lighthouse]:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-    def log(self, replica: int) -> str:
-        return "\n".join((self.out / f"log_{replica}.txt").read_text().splitlines()[-40:])
-
-    def records(self) -> dict[int, list[dict[str, Any]]]:
-        """Each replica group's attempts, in order (all its lives), from its rank 0."""
-        return {
-            r: [json.loads(line) for line in (self.out / f"records_{r}_0.jsonl").read_text().splitlines()]
-            for r in range(self.replicas)
-        }
-
-
-def replay(job: Job, records: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
-    """One process: from the weights the first quorum started from, each committed step applies the mean
-    of the grads of the replica groups (and their ranks) that committed it."""
-    takers: dict[int, list[int]] = defaultdict(list)
-    for replica, attempts in records.items():
-        for attempt in attempts:
-            if attempt["committed"]:
-                takers[attempt["step"]].append(replica)
+def replay(job: ReplicaJob) -> dict[str, Any]:
+    """One process, from the weights the first quorum started from, through the committed steps."""
     starts = [torch.load(p) for p in sorted(job.out.glob("start_*.pt"))]
     (start,) = [s for s in starts if s["step"] == 0][:1]
-    dtype = getattr(torch, job.dtype)
+    dtype = getattr(torch, str(job.options["dtype"]))
     model = ft_replica.build_model(0, dtype)
     model.load_state_dict(start["model"])
-    params = list(model.parameters())
-    optimizer = ft_replica.build_optimizer(params)
-    for step in sorted(takers):
-        total = [torch.zeros_like(p, dtype=torch.float32) for p in params]  # fp32, as the main grads
-        for replica in takers[step]:
-            for rank in range(job.ranks):
-                model.zero_grad()
-                inputs, targets = ft_replica.batch(replica, step, rank, dtype)
-                torch.nn.functional.mse_loss(model(inputs).float(), targets.float()).backward()
-                for summed, p in zip(total, params, strict=True):
-                    summed.add_(p.grad.float())  # type: ignore[union-attr]
-        count = len(takers[step]) * job.ranks
-        for p, t in zip(params, total, strict=True):
-            p.grad = (t / count).to(p.dtype)
-        optimizer.step()
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "steps": sorted(takers)}
+    optimizer = ft_replica.build_optimizer(model.parameters())
+
+    def loss_of(model: torch.nn.Module, replica: int, step: int, rank: int) -> torch.Tensor:
+        inputs, targets = ft_replica.batch(replica, step, rank, dtype)
+        return torch.nn.functional.mse_loss(model(inputs).float(), targets.float())
+
+    steps = job.replay(model, optimizer, loss_of)
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "steps": steps}
 
 
-def check_outcome(job: Job, killed: dict[int, int]) -> None:
-    records = job.records()
+def check_outcome(job: ReplicaJob, killed: dict[int, int]) -> None:
     finals = {r: torch.load(job.out / f"final_{r}.pt") for r in range(job.replicas)}
     # every replica group: the same step count, bit-identical weights and optimizer state
     reference = finals[0]
@@ -152,26 +50,12 @@ def check_outcome(job: Job, killed: dict[int, int]) -> None:
         for index, state in reference["optimizer"]["state"].items():
             for key, value in state.items():
                 assert torch.equal(final["optimizer"]["state"][index][key], value), (replica, index, key)
-    # a step a replica group died in is committed by nobody at that attempt: the others retried it (with
-    # the restarted one, if it healed in time)
-    for replica, step in killed.items():
-        for other, attempts in records.items():
-            if other != replica:
-                tries = [a for a in attempts if a["step"] == step]
-                assert tries, (other, step)
-                assert not tries[0]["committed"], (other, tries)
-                assert tries[-1]["committed"], (other, tries)
-    # the committed steps each took the replica groups that say so, and the replay lands on the same state
-    committed = defaultdict(set)
-    for replica, attempts in records.items():
-        for attempt in attempts:
-            if attempt["committed"]:
-                committed[attempt["step"]].add((replica, attempt["participants"]))
-    for step, takers in committed.items():
-        assert {count for _, count in takers} == {len(takers)}, (step, takers)
-    replayed = replay(job, records)
+    job.check_killed_steps_retried(killed)
+    # the replay of the committed steps lands on the same state
+    replayed = replay(job)
     assert replayed["steps"] == list(range(reference["manager"]["step"]))
-    tolerance = {"rtol": 1e-5, "atol": 1e-6} if job.dtype == "float32" else {"rtol": 2e-2, "atol": 2e-3}
+    fp32 = job.options["dtype"] == "float32"
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if fp32 else {"rtol": 2e-2, "atol": 2e-3}
     for name, tensor in replayed["model"].items():
         torch.testing.assert_close(reference["model"][name], tensor, **tolerance)
     for index, state in replayed["optimizer"]["state"].items():
@@ -184,25 +68,48 @@ def job_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def run_job(
+def start_job(
     out: Path, replicas: int, ranks: int, stops: dict[int, str], steps: int = 6, dtype: str = "float32"
-) -> Job:
-    job = Job(out, replicas, ranks, steps, dtype)
-    try:
-        for replica in range(replicas):
-            job.launch(replica, stops.get(replica, ""))
-        for replica in stops:
-            job.kill_when_stopped(replica)
-            job.launch(replica)  # a fresh process, as a job scheduler restarts it
-        job.finish()
-    finally:
-        job.close()
+) -> ReplicaJob:
+    job = ReplicaJob(out, SCRIPT, replicas, ranks, steps, dtype=dtype, bucket_size=50)
+    for replica in range(replicas):
+        job.launch(replica, stops.get(replica, ""))
     return job
 
 
 @pytest.mark.timeout(420)
-def test_a_replica_killed_mid_backward_and_one_between_steps_heal_and_match_a_replay(job_dir: Path) -> None:
-    job = run_job(job_dir, replicas=3, ranks=1, stops={1: "backward:2", 2: "between:4"})
+def test_groups_killed_mid_backward_and_between_steps_in_a_row_heal_and_match_a_replay(job_dir: Path) -> None:
+    """Group 0 is slow at step 1 (nothing fails); group 1 dies mid-backward at step 2 and group 2 between
+    steps at 4, both down at once (group 0 alone makes no quorum and waits); then both restart."""
+    job = start_job(job_dir, replicas=3, ranks=1, stops={0: "slow:1", 1: "backward:2", 2: "between:4"})
+    try:
+        killed = [job.kill_when_stopped(1), job.kill_when_stopped(2)]
+        for replica in killed:
+            job.launch(replica)  # a fresh process, as a job scheduler restarts it
+        job.finish()
+    finally:
+        job.close()
+    check_outcome(job, killed={1: 2})
+    slow = [
+        (a["committed"], a["participants"]) for a in job.records()[0] if a["step"] == 1 and "committed" in a
+    ]
+    assert slow == [(True, 3)], slow
+
+
+@pytest.mark.timeout(420)
+def test_a_heal_source_killed_while_sending_leaves_the_healing_group_to_another(job_dir: Path) -> None:
+    """Group 1 dies mid-backward and restarts; the group torchft picks to heal it dies as it is asked for
+    its state; the restarted group heals from the last one, and the killed source restarts too."""
+    stops = {0: "sending:1", 1: "backward:2", 2: "sending:1"}
+    job = start_job(job_dir, replicas=3, ranks=1, stops=stops)
+    try:
+        job.launch(job.kill_when_stopped(1))
+        source = job.kill_when_stopped(0, 2)
+        (job_dir / "source_killed").touch()
+        job.launch(source)
+        job.finish()
+    finally:
+        job.close()
     check_outcome(job, killed={1: 2})
 
 
@@ -210,13 +117,18 @@ def test_a_replica_killed_mid_backward_and_one_between_steps_heal_and_match_a_re
 def test_bf16_replica_groups_of_two_ranks_survive_a_group_killed_mid_backward(job_dir: Path) -> None:
     """Each replica group is two ranks under torchrun (averaged among themselves, then across groups), in
     bf16 with fp32 main grads; the whole of one group is killed mid-backward and restarted."""
-    job = run_job(job_dir, replicas=3, ranks=2, stops={2: "backward:3"}, steps=5, dtype="bfloat16")
+    job = start_job(job_dir, replicas=3, ranks=2, stops={2: "backward:3"}, steps=5, dtype="bfloat16")
+    try:
+        job.launch(job.kill_when_stopped(2))
+        job.finish()
+    finally:
+        job.close()
     check_outcome(job, killed={2: 3})
 
 
 @pytest.mark.timeout(180)
 def test_replica_groups_with_different_buckets_all_raise_before_any_bucket_moves(job_dir: Path) -> None:
-    job = Job(job_dir, replicas=2, ranks=1, steps=3)
+    job = ReplicaJob(job_dir, SCRIPT, replicas=2, ranks=1, steps=3, dtype="float32", bucket_size=50)
     try:
         job.launch(0)
         job.launch(1, bucket_size=1000)
@@ -226,8 +138,7 @@ def test_replica_groups_with_different_buckets_all_raise_before_any_bucket_moves
     for replica in range(2):
         assert "replica groups disagree on the model's buckets" in job.log(replica), job.log(replica)
         assert "same DistributedDataParallelConfig" in job.log(replica)
-    assert not any(json.loads(line)["committed"] for r in range(2) for line in
-                   (job_dir / f"records_{r}_0.jsonl").read_text().splitlines() if line)  # fmt: skip
+    assert not job.committed()
 
 
 def refusals() -> list[str]:
@@ -264,8 +175,8 @@ def test_what_cannot_run_under_torchft_is_refused_by_name(monkeypatch: pytest.Mo
         "NotImplementedError: register_fault_tolerant_hook: use_distributed_optimizer"
     )
     assert "use use_distributed_optimizer=False" in messages[1]
-    from gradsync.ddp.fault_tolerance import require_torchft
+    from gradsync.buffers.fault_tolerance import require_torchft
 
     monkeypatch.setitem(sys.modules, "torchft", None)
     with pytest.raises(ImportError, match=r'pip install "gradsync-ddp\[torchft\]"'):
-        require_torchft()
+        require_torchft("gradsync-ddp")

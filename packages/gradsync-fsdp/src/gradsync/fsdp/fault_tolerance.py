@@ -1,0 +1,120 @@
+"""MegatronFSDP under torchft: each replica group shards the model over its own ranks (no_shard, ZeRO-1/2/3),
+and torchft's ``Manager`` is the outer replication across replica groups, whose membership changes step by
+step: a group that dies is dropped, a restarted one heals from a healthy peer.
+
+This is HSDP with torchft's process group as the outer dimension. Each bucket is averaged over the group's
+own ranks, then across groups through the manager (:mod:`gradsync.buffers.fault_tolerance`, the hook
+gradsync-ddp's wrapper uses too), and each rank keeps its shard of it. The manager pairs rank r of every
+group, which holds the same shard everywhere, so healing sends each rank its own shard of the weights and
+of the optimizer state, never a gathered copy. The wire carries whole buckets across groups (a hook's
+all-reduce, not HSDP's reduce-scatter then shard all-reduce).
+
+A heal copies into the shards in place and marks the model stepped, so the next forward installs the
+weights on every rank of the group; the quorum (``OptimizerWrapper.zero_grad()``) therefore comes before
+``zero_grad_buffer()``. Every rank of a healing group heals at once (all are behind), but torchft's step-0
+sync picks its source rank by rank, so build every replica group from the same weights and give the
+manager ``init_sync=False``.
+
+torchft is optional (``pip install "gradsync-fsdp[torchft]"``, which needs torch 2.7 or later).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gradsync.buffers.fault_tolerance import (
+    FaultTolerantHookState,
+    check_manager,
+    fault_tolerant_hook,
+    layout_fingerprint,
+)
+from gradsync.buffers.torch_internals import local_tensor
+
+from .megatron_fsdp import MegatronFSDP
+
+OWNER = "register_fault_tolerant_hook"
+
+
+def register_fault_tolerant_hook(model: MegatronFSDP, manager: Any) -> FaultTolerantHookState:
+    """Reduce ``model``'s buckets across replica groups through torchft's ``manager``. Call it once,
+    before the first backward, on every rank of every replica group."""
+    check_manager(OWNER, "gradsync-fsdp", manager)
+    if model.outer is not None:
+        raise NotImplementedError(
+            f"{OWNER}: under torchft the replica groups are the outer replication; build the model without "
+            "an outer data-parallel group (shard over the replica group's own ranks only)"
+        )
+    reducing = [bucket for bucket in model.buckets if bucket.grad is not None]
+    layout = [(bucket.grad, bucket.spec.params) for bucket in reducing if bucket.grad is not None]
+    group = model.dist_index.get_fsdp_group()
+    state = FaultTolerantHookState(manager, group, layout_fingerprint(layout))
+    model.register_comm_hook(state, fault_tolerant_hook)
+    return state
+
+
+def replica_state(
+    model: MegatronFSDP, optimizer: torch.optim.Optimizer
+) -> tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]:
+    """The manager's ``state_dict`` and ``load_state_dict``: this rank's shard of every param (the
+    optimizer's main weights) and of the optimizer's state, as local tensors; loading copies them into
+    the shards in place and marks the model stepped (the next forward installs the weights)."""
+    params = list(model.parameters())
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def state_dict() -> dict[str, Any]:
+        optimizer_state = optimizer.state_dict()
+        shards = {
+            index: {key: _plain(value) for key, value in entry.items()}
+            for index, entry in optimizer_state["state"].items()
+        }
+        sharded = {
+            index: sorted(key for key, value in entry.items() if value is not local_tensor(value))
+            for index, entry in optimizer_state["state"].items()
+        }
+        return {
+            "params": [_plain(p) for p in params],
+            "optimizer": {
+                "state": shards,
+                "sharded": sharded,
+                "param_groups": optimizer_state["param_groups"],
+            },
+        }
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        for param, shard in zip(params, state["params"], strict=True):
+            local_tensor(param).copy_(shard)
+        received = state["optimizer"]
+        rebuilt = {}
+        for index, entry in received["state"].items():
+            param = ordered[index]
+            rebuilt[index] = {
+                key: _like(param, key, value) if key in received["sharded"][index] else value
+                for key, value in entry.items()
+            }
+        optimizer.load_state_dict({"state": rebuilt, "param_groups": received["param_groups"]})
+        model.mark_stepped()
+
+    return state_dict, load_state_dict
+
+
+def _plain(value: Any) -> Any:
+    """A DTensor's local tensor as a plain tensor over the same storage (no copy), without the attributes
+    gradsync keeps on its params, which torchft's transport would try to pickle."""
+    local = local_tensor(value)
+    return local.detach() if isinstance(local, torch.Tensor) else local
+
+
+def _like(param: torch.Tensor, key: str, shard: torch.Tensor) -> torch.Tensor:
+    """``shard`` as a DTensor laid out as ``param`` (the optimizer's state is sharded as its param)."""
+    state = torch.zeros_like(param)
+    local = local_tensor(state)
+    if local.shape != shard.shape:
+        raise NotImplementedError(
+            f"{OWNER}: optimizer state {key!r} of shape {tuple(shard.shape)} is not laid out as its param's "
+            f"shard {tuple(local.shape)}; only state shaped as the params heals"
+        )
+    local.copy_(shard)
+    return state

@@ -1,0 +1,103 @@
+"""One replica group of MegatronFSDP's fault-tolerance tests: the model sharded over the group's own ranks
+(``--strategy``), torchft's manager the outer replication; run by test_fault_tolerance.py through
+:class:`gradsync.groups.testing.replica_groups.ReplicaScript`.
+
+Every replica group builds the same weights (the manager's step-0 sync is off: it would pick its source
+rank by rank). At the end it writes the whole weights (rank 0) and each rank's shard of the optimizer state.
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchft import Manager, ProcessGroupGloo
+from torchft.optim import OptimizerWrapper
+
+from gradsync.fsdp import fully_shard
+from gradsync.fsdp.fault_tolerance import register_fault_tolerant_hook, replica_state
+from gradsync.groups.testing.replica_groups import ReplicaScript
+
+LR = 1e-2
+SECONDS = timedelta(seconds=20)
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def batch(replica: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(10_000 * step + 100 * replica + rank)
+    inputs = torch.randn(4, 8, generator=generator)
+    return inputs, inputs[:, :4].sin()
+
+
+def build_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="optim_grads_params")
+    script = ReplicaScript(parser)
+    module = build_model()
+    model, inner = fully_shard(
+        module,
+        build_optimizer(module.parameters()),
+        zero_dp_strategy=script.args.strategy,
+        fsdp_unit_modules=[],
+    )
+    state_dict, load_state_dict = replica_state(model, inner)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=SECONDS),
+        load_state_dict=load_state_dict,
+        state_dict=script.serve(state_dict),
+        min_replica_size=1,
+        use_async_quorum=False,
+        init_sync=False,
+        timeout=SECONDS,
+        quorum_timeout=timedelta(seconds=60),
+        connect_timeout=SECONDS,
+        **script.manager_args(),
+    )
+    script.attach(manager)
+    register_fault_tolerant_hook(model, manager)
+    optimizer = OptimizerWrapper(manager, inner)
+
+    def in_backward(grad: torch.Tensor) -> torch.Tensor:
+        script.in_backward(manager.current_step())
+        return grad
+
+    with torch.no_grad():  # an evaluation forward before training: a heal must not leave its weights
+        model(batch(script.replica, -1, script.rank)[0])
+
+    script.start_together()
+    while True:
+        optimizer.zero_grad()  # the quorum first: a heal marks the model stepped
+        model.zero_grad_buffer()
+        step = manager.current_step()
+        inputs, targets = batch(script.replica, step, script.rank)
+        inputs.requires_grad_().register_hook(in_backward)  # the last grad: the buckets still wait
+        F.mse_loss(model(inputs), targets).backward()  # the buckets reduce as backward ends
+        script.reduced(step)
+        participants = manager.num_participants()
+        optimizer.step()
+        committed = manager.current_step() == step + 1
+        script.record(step, committed, participants)
+        if script.done(committed, manager.current_step(), participants):
+            break
+
+    weights = model.full_state_dict()
+    final = {"model": weights, "optimizer": state_dict()["optimizer"], "manager": manager.state_dict()}
+    torch.save(final, script.out / f"final_{script.replica}_{script.rank}.pt")
+    manager.shutdown(wait=False)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
