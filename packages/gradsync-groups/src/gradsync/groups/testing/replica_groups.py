@@ -12,6 +12,7 @@ is torchft's ``torchft_lighthouse``, found beside the running Python.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +36,35 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it, from /proc (torchrun's workers start sessions of their own, so
+    a process group does not hold them)."""
+    parents: dict[int, list[int]] = defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        parents[int(fields[1])].append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo.extend(parents.get(current, []))
+    return tree
+
+
+def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a process and all its descendants at once (found before any dies, as orphans lose their
+    parent), then reap it; nothing if it already ended (its pid may be another process's by now)."""
+    if proc.poll() is not None:
+        return
+    for pid in process_tree(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
 
 
 class ReplicaJob:
@@ -75,7 +105,8 @@ class ReplicaJob:
         )
 
     def kill_when_stopped(self, *candidates: int, timeout: float = 120) -> int:
-        """SIGKILL every process of the first of ``candidates`` to report it stopped where told."""
+        """SIGKILL every process of the first of ``candidates`` to report it stopped where told (torchrun
+        and its workers alike)."""
         deadline = time.monotonic() + timeout
         while True:
             stopped = [r for r in candidates if (self.out / f"stopped_{r}").exists()]
@@ -86,8 +117,7 @@ class ReplicaJob:
             assert time.monotonic() < deadline, f"none of replica groups {candidates} stopped"
             time.sleep(0.05)
         replica = stopped[0]
-        os.killpg(self.procs[replica].pid, signal.SIGKILL)
-        self.procs[replica].wait()
+        kill_tree(self.procs[replica])
         (self.out / f"stopped_{replica}").unlink()
         return replica
 
@@ -102,10 +132,9 @@ class ReplicaJob:
             assert code == expect, f"replica group {replica} ended with {code}\n{self.log(replica)}"
 
     def close(self) -> None:
+        """Kill whatever of the job is still running (a failed test's groups, the lighthouse)."""
         for proc in [*self.procs.values(), self.lighthouse]:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            kill_tree(proc)
 
     def log(self, replica: int) -> str:
         return "\n".join((self.out / f"log_{replica}.txt").read_text().splitlines()[-40:])
@@ -268,6 +297,8 @@ class ReplicaScript:
     def record(self, step: int, committed: bool, participants: int) -> None:
         """One attempted step's outcome; stops after it if ``--stop`` says so."""
         self._write({"step": step, "committed": committed, "participants": participants})
+        if participants < self.args.replicas:
+            time.sleep(0.1)  # a group is down: go on, but not through thousands of steps to replay
         if committed and self.stop_where == "between" and step == self.stop_step and self.rank == 0:
             self._wait_to_be_killed()
 
