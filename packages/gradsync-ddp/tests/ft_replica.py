@@ -9,13 +9,11 @@ writes the weights it started from and its final model, optimizer and manager st
 from __future__ import annotations
 
 import argparse
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchft import Manager, ProcessGroupGloo
 from torchft.optim import OptimizerWrapper
 
 from gradsync.buffers import DistributedDataParallelConfig
@@ -26,7 +24,6 @@ from gradsync.groups.testing.replica_groups import ReplicaScript
 
 LR = 1e-2
 ROWS = 4
-SECONDS = timedelta(seconds=20)
 
 
 def build_model(seed: int, dtype: torch.dtype) -> nn.Module:
@@ -60,26 +57,11 @@ def main() -> None:
     model = DistributedDataParallel(ModelParallelConfig(), ddp_config, module, pg_collection=pgs)
     inner = build_optimizer(model.parameters())
     state_dict, load_state_dict = replica_state(model, inner)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=SECONDS),
-        load_state_dict=load_state_dict,
-        state_dict=script.serve(state_dict),
-        min_replica_size=1,
-        use_async_quorum=False,
-        timeout=SECONDS,
-        quorum_timeout=timedelta(seconds=60),
-        connect_timeout=SECONDS,
-        **script.manager_args(),
-    )
-    script.attach(manager)
+    manager = script.manager(state_dict, load_state_dict)
     register_fault_tolerant_hook(model, manager)
     optimizer = OptimizerWrapper(manager, inner)
 
-    def in_backward(grad: torch.Tensor) -> torch.Tensor:
-        script.in_backward(manager.current_step())
-        return grad
-
-    module[0].weight.register_hook(in_backward)  # its grad comes last: the later buckets have crossed
+    module[0].weight.register_hook(script.backward_hook())  # its grad comes last
 
     script.start_together()
     started = False

@@ -9,13 +9,11 @@ rank by rank). At the end it writes the whole weights (rank 0) and each rank's s
 from __future__ import annotations
 
 import argparse
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchft import Manager, ProcessGroupGloo
 from torchft.optim import OptimizerWrapper
 
 from gradsync.fsdp import fully_shard
@@ -23,7 +21,6 @@ from gradsync.fsdp.fault_tolerance import register_fault_tolerant_hook, replica_
 from gradsync.groups.testing.replica_groups import ReplicaScript
 
 LR = 1e-2
-SECONDS = timedelta(seconds=20)
 
 
 def build_model() -> nn.Module:
@@ -53,25 +50,9 @@ def main() -> None:
         fsdp_unit_modules=[],
     )
     state_dict, load_state_dict = replica_state(model, inner)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=SECONDS),
-        load_state_dict=load_state_dict,
-        state_dict=script.serve(state_dict),
-        min_replica_size=1,
-        use_async_quorum=False,
-        init_sync=False,
-        timeout=SECONDS,
-        quorum_timeout=timedelta(seconds=60),
-        connect_timeout=SECONDS,
-        **script.manager_args(),
-    )
-    script.attach(manager)
+    manager = script.manager(state_dict, load_state_dict, init_sync=False)
     register_fault_tolerant_hook(model, manager)
     optimizer = OptimizerWrapper(manager, inner)
-
-    def in_backward(grad: torch.Tensor) -> torch.Tensor:
-        script.in_backward(manager.current_step())
-        return grad
 
     with torch.no_grad():  # an evaluation forward before training: a heal must not leave its weights
         model(batch(script.replica, -1, script.rank)[0])
@@ -82,7 +63,7 @@ def main() -> None:
         model.zero_grad_buffer()
         step = manager.current_step()
         inputs, targets = batch(script.replica, step, script.rank)
-        inputs.requires_grad_().register_hook(in_backward)  # the last grad: the buckets still wait
+        inputs.requires_grad_().register_hook(script.backward_hook())  # the last grad: the buckets still wait
         F.mse_loss(model(inputs), targets).backward()  # the buckets reduce as backward ends
         script.reduced(step)
         participants = manager.num_participants()

@@ -30,14 +30,11 @@ def loss_of(model: torch.nn.Module, replica: int, step: int, rank: int) -> torch
 def test_a_sharded_replica_group_killed_mid_backward_heals_each_rank_its_shard(
     tmp_path: Path, strategy: str
 ) -> None:
-    job = ReplicaJob(tmp_path, SCRIPT, replicas=2, ranks=2, steps=5, strategy=strategy)
-    try:
+    with ReplicaJob(tmp_path, SCRIPT, replicas=2, ranks=2, steps=5, strategy=strategy) as job:
         for replica in range(2):
             job.launch(replica, "backward:2" if replica == 1 else "")
         job.launch(job.kill_when_stopped(1))
         job.finish()
-    finally:
-        job.close()
     job.check_killed_steps_retried({1: 2})
     finals = {(r, k): torch.load(tmp_path / f"final_{r}_{k}.pt") for r in range(2) for k in range(2)}
     for (replica, rank), final in finals.items():

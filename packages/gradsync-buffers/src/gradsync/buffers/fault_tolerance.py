@@ -13,11 +13,15 @@ waits the same way. So buckets reduce during backward one at a time, and backwar
 from __future__ import annotations
 
 import importlib
+import os
+import socket
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -45,6 +49,38 @@ def check_manager(owner: str, package: str, manager: object) -> None:
         raise TypeError(f"{owner}: manager must be a torchft.Manager, got {type(manager).__name__}")
 
 
+def find_lighthouse(address: str | None = None, timeout: float = 5.0) -> str:
+    """The lighthouse's address (``address``, else ``TORCHFT_LIGHTHOUSE``), once something answers there
+    (within ``timeout`` seconds).
+
+    Pass it to torchft's ``Manager(lighthouse_addr=...)``: without one, the manager raises a bare
+    ``KeyError('TORCHFT_LIGHTHOUSE')``, and with a dead one it retries for ``connect_timeout`` (a minute
+    by default) before it says so."""
+    address = address or os.environ.get("TORCHFT_LIGHTHOUSE")
+    start = "start one with `torchft_lighthouse --min_replicas 1 --bind 0.0.0.0:29510`"
+    if not address:
+        raise ValueError(
+            f"no torchft lighthouse given: {start}, then pass its address "
+            "(http://HOST:29510) or set TORCHFT_LIGHTHOUSE to it"
+        )
+    parts = urlsplit(address if "://" in address else f"http://{address}")
+    if parts.hostname is None or parts.port is None:
+        raise ValueError(f"torchft lighthouse address {address!r} must read http://HOST:PORT")
+    deadline = time.monotonic() + timeout
+    while True:  # a launcher may start the lighthouse beside the replica groups: give it ``timeout``
+        try:
+            socket.create_connection((parts.hostname, parts.port), timeout=timeout).close()
+            return address
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(
+                    f"no torchft lighthouse answers at {address} within {timeout:g} s ({error}): {start} "
+                    "on that host and port before the replica groups, or fix the address "
+                    "(TORCHFT_LIGHTHOUSE)"
+                ) from error
+            time.sleep(0.1)
+
+
 def layout_fingerprint(buckets: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]]) -> list[int]:
     """What every replica group must agree on, as small integers: the number of buckets, and a checksum
     of each one's size and dtype (its flat grads) and its params' shapes and dtypes."""
@@ -65,11 +101,16 @@ class FaultTolerantHookState:
     process_group: dist.ProcessGroup
     layout: list[int]
 
+    def __post_init__(self) -> None:
+        own = torch.tensor(self.layout, dtype=torch.float64)
+        self._own = own
+        self._stats = torch.cat([torch.ones(1, dtype=torch.float64), own, own * own])
+        """What this group adds to the check: a count of one, the layout and its squares (built once)."""
+
     def check_layout(self) -> None:
         """Every replica group in the quorum has this layout, else every one raises before a bucket moves.
         Summed with a count, so a replica group that contributes zeros (healing) is left out of the test."""
-        own = torch.tensor(self.layout, dtype=torch.float64)
-        stats = torch.cat([torch.ones(1, dtype=torch.float64), own, own * own])
+        own, stats = self._own, self._stats.clone()
         work = self.manager.allreduce(stats, reduce_op=dist.ReduceOp.SUM)
         if not work.wait() or self.manager.errored() is not None:
             return  # the step will not commit; the next one checks again

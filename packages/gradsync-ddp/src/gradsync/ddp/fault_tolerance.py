@@ -41,10 +41,13 @@ from gradsync.buffers.fault_tolerance import (
     FaultTolerantHookState,
     check_manager,
     fault_tolerant_hook,
+    find_lighthouse,
     layout_fingerprint,
 )
 
 from .distributed_data_parallel import DistributedDataParallel
+
+__all__ = ["find_lighthouse", "register_fault_tolerant_hook", "replica_state"]
 
 
 def replica_state(

@@ -29,11 +29,14 @@ from gradsync.buffers.fault_tolerance import (
     FaultTolerantHookState,
     check_manager,
     fault_tolerant_hook,
+    find_lighthouse,
     layout_fingerprint,
 )
 from gradsync.buffers.torch_internals import local_tensor
 
 from .megatron_fsdp import MegatronFSDP
+
+__all__ = ["find_lighthouse", "register_fault_tolerant_hook", "replica_state"]
 
 OWNER = "register_fault_tolerant_hook"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +138,12 @@ class ReplicaJob:
         for proc in [*self.procs.values(), self.lighthouse]:
             kill_tree(proc)
 
+    def __enter__(self) -> ReplicaJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def log(self, replica: int) -> str:
         return "\n".join((self.out / f"log_{replica}.txt").read_text().splitlines()[-40:])
 
@@ -230,7 +238,7 @@ class ReplicaScript:
         where, _, at = self.args.stop.partition(":")
         self.stop_where, self.stop_step = where, int(at) if at else -1
         self.serving = True
-        self.manager: Any = None
+        self._manager: Any = None
         if "RANK" in os.environ:  # under torchrun: the replica group's own world and store
             dist.init_process_group("gloo")
             self.store_addr, self.store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -242,17 +250,38 @@ class ReplicaScript:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._records = (self.out / f"records_{self.replica}_{self.rank}.jsonl").open("a")
 
-    def manager_args(self) -> dict[str, Any]:
-        """The arguments of torchft's ``Manager`` that place this rank: its group, store and lighthouse."""
-        return {
-            "replica_id": f"replica{self.replica}",
-            "store_addr": self.store_addr,
-            "store_port": self.store_port,
-            "rank": self.rank,
-            "world_size": self.world,
-            "lighthouse_addr": self.args.lighthouse,
-            "hostname": "127.0.0.1",
-        }
+    def manager(
+        self,
+        state_dict: Callable[[], dict[str, Any]] | None,
+        load_state_dict: Callable[[dict[str, Any]], None] | None,
+        **options: Any,
+    ) -> Any:
+        """torchft's ``Manager`` for this rank (imported here: the harness runs without torchft): its
+        group, store and lighthouse, a quorum at each step's start (a heal completes before the step),
+        timeouts short enough for a test, and ``state_dict`` served through :meth:`serve` (None: the
+        script registers its state with the manager itself); ``options`` are passed on (e.g.
+        ``init_sync``)."""
+        torchft = importlib.import_module("torchft")
+        seconds = timedelta(seconds=20)
+        self._manager = torchft.Manager(
+            pg=torchft.ProcessGroupGloo(timeout=seconds),
+            load_state_dict=load_state_dict,
+            state_dict=None if state_dict is None else self.serve(state_dict),
+            min_replica_size=1,
+            use_async_quorum=False,
+            timeout=seconds,
+            quorum_timeout=timedelta(seconds=60),
+            connect_timeout=seconds,
+            replica_id=f"replica{self.replica}",
+            store_addr=self.store_addr,
+            store_port=self.store_port,
+            rank=self.rank,
+            world_size=self.world,
+            lighthouse_addr=self.args.lighthouse,
+            hostname="127.0.0.1",
+            **options,
+        )
+        return self._manager
 
     def start_together(self) -> None:
         """The first lives of every replica group start at once, so the first quorum holds them all (a
@@ -265,38 +294,41 @@ class ReplicaScript:
         (self.out / f"stopped_{self.replica}").write_text(str(os.getpid()))
         time.sleep(600)
 
-    def in_backward(self, step: int) -> None:
-        """Call from a grad hook: stops (or sleeps) there at the step ``--stop`` names."""
-        if step == self.stop_step and self.rank == 0:
-            if self.stop_where == "backward":
-                self._wait_to_be_killed()
-            if self.stop_where == "slow":
-                time.sleep(3)  # the others wait in the bucket's reduction; nothing fails
+    def backward_hook(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A grad hook that stops (or sleeps) there at the step ``--stop`` names: register it on the
+        tensor whose grad comes last, so every bucket but that one's has crossed replica groups."""
+
+        def in_backward(grad: torch.Tensor) -> torch.Tensor:
+            if self._manager.current_step() == self.stop_step and self.rank == 0:
+                if self.stop_where == "backward":
+                    self._wait_to_be_killed()
+                if self.stop_where == "slow":
+                    time.sleep(3)  # the others wait in the bucket's reduction; nothing fails
+            return grad
+
+        return in_backward
 
     def serve(self, state_dict: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
         """``state_dict`` as torchft asks for it to heal another group: it stops there as ``--stop`` says
-        (the step is read from the manager given to :meth:`attach`)."""
+        (the step is read from the manager :meth:`manager` built)."""
 
         def served() -> dict[str, Any]:
             asked = self.serving and not (self.out / "source_killed").exists()
-            step = self.manager.current_step() if self.manager is not None else 0
+            step = self._manager.current_step() if self._manager is not None else 0
             if self.stop_where == "sending" and asked and step >= self.stop_step and self.rank == 0:
                 self._wait_to_be_killed()  # (torchft's thread: training may go on until the kill)
             return state_dict()
 
         return served
 
-    def attach(self, manager: Any) -> None:
-        """The torchft manager this rank trains under."""
-        self.manager = manager
-
     def reduced(self, step: int) -> None:
         """The step's grads are reduced (before the commit): a group that dies now is in the step."""
         self._write({"step": step, "reduced": True})
 
-    def record(self, step: int, committed: bool, participants: int) -> None:
-        """One attempted step's outcome; stops after it if ``--stop`` says so."""
-        self._write({"step": step, "committed": committed, "participants": participants})
+    def record(self, step: int, committed: bool, participants: int, **facts: Any) -> None:
+        """One attempted step's outcome (and the script's own ``facts`` about it); stops after it if
+        ``--stop`` says so."""
+        self._write({"step": step, "committed": committed, "participants": participants, **facts})
         if participants < self.args.replicas:
             time.sleep(0.1)  # a group is down: go on, but not through thousands of steps to replay
         if committed and self.stop_where == "between" and step == self.stop_step and self.rank == 0:
