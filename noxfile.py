@@ -302,9 +302,9 @@ for _label, _version in COMPAT_TORCH.items():
 @nox.session
 def integration(session: nox.Session) -> None:
     """The integration suite: every strategy on the CI layouts vs a single-process run, plus torchrun
-    launches (report, bit-exact resume, a killed rank), and the examples (quick start B's needs
-    transformers)."""
-    install_local(session, *PACKAGES, extra=(*TEST_TOOLS, "transformers"))
+    launches (report, bit-exact resume, a killed rank), the main job under torchft with a replica group
+    killed, and the examples (quick start B's needs transformers)."""
+    install_local(session, *PACKAGES, extra=(*TEST_TOOLS, "transformers", *TEST_EXTRAS["ddp"]))
     session.run("pytest", SLOWEST, str(ROOT / "integration"), *session.posargs)
 
 
@@ -397,7 +397,16 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def train(session: nox.Session) -> None:
     """The main job: train the toy GPT on 4 ranks (gloo on CPU, NCCL with 4 GPUs) for a few minutes and
-    write a report. Extra arguments go to integration/train.py (``nox -s train -- --help``)."""
+    write a report. Extra arguments go to integration/train.py (``nox -s train -- --help``).
+
+    ``nox -s train -- --fault-tolerance [...]``: the job under torchft instead, 3 replica groups with one
+    killed and restarted, against the same job with no fault (integration/train_ft.py; runs/train-ft)."""
+    if "--fault-tolerance" in session.posargs:
+        install_local(session, "ddp", extra=("matplotlib", *TEST_EXTRAS["ddp"]))
+        rest = [arg for arg in session.posargs if arg != "--fault-tolerance"]
+        out = f"--out-dir={ROOT / 'runs' / 'train-ft'}"
+        session.run("python", str(ROOT / "integration" / "train_ft.py"), out, *rest)
+        return
     install_local(session, *PACKAGES, extra=("matplotlib",))
     out_dir = ROOT / "runs" / "train"
     args = " ".join(session.posargs)
