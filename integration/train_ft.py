@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -65,7 +66,8 @@ def summarise(job: ReplicaJob, restarted_at: dict[int, float], wall_s: float) ->
 
 def train(out: Path, opts: argparse.Namespace, kill: tuple[int, int] | None, passed: list[str]) -> Run:
     """One job; ``kill``: (replica group, step) to SIGKILL mid-backward and restart."""
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # the records of an earlier run would read as this one's
+    out.mkdir(parents=True)
     started = time.monotonic()
     options = dict(arg.lstrip("-").split("=", 1) for arg in passed)
     restarted_at: dict[int, float] = {}
