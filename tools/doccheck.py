@@ -106,6 +106,10 @@ TORCH_MODULES = (
 
 # CLIs the docs document, by what names them on a line, and how to ask them for --help.
 CLIS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        r"integration/train_ft\.py|\btrain_ft\.py|nox -s train -- --fault-tolerance",
+        ("integration/train_ft.py",),
+    ),
     (r"integration/train\.py|\btrain\.py|nox -s train\b", ("integration/train.py",)),
     (r"gradsync\.buffers\.plan\b(?![.\w])", ("-m", "gradsync.buffers.plan")),
     (r"bench_ab\.py|nox -s bench-ab\b", ("benchmarks/bench_ab.py",)),
