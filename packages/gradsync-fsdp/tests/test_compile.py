@@ -102,7 +102,7 @@ def compiled_over_meshes_in_a_row(strategy: int) -> list[dict[str, torch.Tensor]
     return results
 
 
-@pytest.mark.parametrize("strategy", [1, 3])
+@pytest.mark.parametrize("strategy", [0, 1, 3])
 def test_models_compiled_over_one_mesh_after_another_train_like_one_process(strategy: int) -> None:
     """Each mesh's model trains as one process on its data-parallel batch. The hooks ran traced, a compiled
     frame kept the first mesh's group ranks, and the second mesh's forward broadcast from a rank outside its

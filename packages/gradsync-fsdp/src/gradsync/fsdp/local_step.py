@@ -322,7 +322,7 @@ class _Lending:
                 and all(map(operator.is_, group.dict["params"], group.originals))
                 for group in self.groups
             )
-            and all(lent.param._local_tensor is lent.local for lent in self.lent)
+            and all(local_tensor(lent.param) is lent.local for lent in self.lent)
         )
 
 
@@ -381,9 +381,9 @@ def split_state_as_params(optimizer: torch.optim.Optimizer) -> None:
             if (
                 type(value) is DTensor
                 and value.shape == param.shape
-                and value._local_tensor.shape == param._local_tensor.shape
+                and local_tensor(value).shape == local_tensor(param).shape
             ):
-                state[key] = param.like(value._local_tensor)
+                state[key] = param.like(local_tensor(value))
 
 
 LENDING_ATTR = "_gradsync_steps_on_locals"

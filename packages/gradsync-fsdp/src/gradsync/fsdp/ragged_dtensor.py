@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from gradsync.buffers.checkpointing import contiguous_stride, describe_chunk
+from gradsync.buffers.torch_internals import local_tensor
 
 from .mesh_dim_order import (
     checked_order,
@@ -79,7 +80,7 @@ class RaggedDTensor(DTensor):
         out: Any = super().detach()
         if isinstance(out, RaggedDTensor):
             return out
-        return RaggedDTensor._of(out._local_tensor, out._spec, self._split, out.requires_grad)
+        return RaggedDTensor._of(local_tensor(out), out._spec, self._split, out.requires_grad)
 
     @property
     def _split(self) -> tuple[tuple[Placement, ...], tuple[int, ...]]:
@@ -153,8 +154,8 @@ class RaggedDTensor(DTensor):
         """A plain DTensor over the same local tensor and spec, which re-enters torch's C++ dispatch; kept
         while those stay the same (building one per op was most of a foreach optimizer step's cost)."""
         twin: DTensor | None = self.__dict__.get("_twin")
-        if twin is None or twin._local_tensor is not self._local_tensor or twin._spec is not self._spec:
-            twin = DTensor(self._local_tensor, self._spec, requires_grad=False)  # type: ignore[no-untyped-call]
+        if twin is None or local_tensor(twin) is not local_tensor(self) or twin._spec is not self._spec:
+            twin = DTensor(local_tensor(self), self._spec, requires_grad=False)  # type: ignore[no-untyped-call]
             self._twin = twin
         return twin
 
@@ -197,11 +198,11 @@ def _follow_split(result: Any, sources: list[Any]) -> Any:
         if isinstance(source, RaggedDTensor)
         and result._spec.placements == source._spec.placements
         and result.shape == source.shape
-        and result._local_tensor.shape == source._local_tensor.shape
+        and local_tensor(result).shape == local_tensor(source).shape
     }
     if len(splits) != 1:
         return result
-    return RaggedDTensor._of(result._local_tensor, result._spec, splits.pop(), result.requires_grad)
+    return RaggedDTensor._of(local_tensor(result), result._spec, splits.pop(), result.requires_grad)
 
 
 def reshard(
