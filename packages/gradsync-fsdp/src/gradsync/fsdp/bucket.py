@@ -341,14 +341,6 @@ class FlatParamBucket:
         """Scale and reduce this bucket's grads into the grad buffer (:meth:`GradReducer.launch`)."""
         return self.reducer.launch(reduction, norms)
 
-    def finish_reduce(self, wire: torch.Tensor) -> None:
-        """Land the reduced ``wire`` (this bucket's grads on the wire) in the grad buffer."""
-        self.reducer.finish(wire)
-
-    def finish_reduce_shard(self, shard: torch.Tensor) -> None:
-        """Land this rank's reduced shard (a reduce-scatter's result) in the grad buffer."""
-        self.reducer.finish_shard(shard)
-
     def launch_outer_reduce(self, reduction: GradReduction) -> Launched:
         """The cycle's outer stage over the outer group (:meth:`GradReducer.launch_outer`)."""
         return self.reducer.launch_outer(reduction)

@@ -199,7 +199,7 @@ class ReductionGroup:
         for bucket, piece in zip(self.buckets, pieces, strict=True):
             reduced = bucket.grad if wire is flat else piece  # in place: nothing to copy back
             assert reduced is not None
-            launched.after.append(functools.partial(bucket.finish_reduce, reduced))
+            launched.after.append(functools.partial(bucket.reducer.finish, reduced))
             bucket.record("all_reduce", piece, bucket.group, sent * piece.numel() // wire.numel())
         return launched
 
@@ -226,6 +226,6 @@ class ReductionGroup:
         mine = wire[rank * part : rank * part + self.part_lengths[rank]]
         shards = torch.split(mine, self.piece_sizes[rank])
         for bucket, grad, shard in zip(self.buckets, grads, shards, strict=True):
-            launched.after.append(functools.partial(bucket.finish_reduce_shard, shard))
+            launched.after.append(functools.partial(bucket.reducer.finish_shard, shard))
             bucket.record("reduce_scatter", grad, group, sent * grad.numel() // self.size)
         return launched
