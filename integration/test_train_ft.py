@@ -41,3 +41,4 @@ def test_the_main_job_goes_on_through_a_killed_replica_group_and_reports_it(tmp_
     report = (tmp_path / "report.md").read_text()
     assert f"steps committed by a quorum of 2 | {KILL_AT}-" in report
     assert f"before the fault (steps 0-{KILL_AT - 1}) | bit-identical" in report
+    assert "steps never committed, below the last one | none |" in report

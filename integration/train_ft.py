@@ -136,9 +136,10 @@ def report(out: Path, opts: argparse.Namespace, clean: Run, fault: Run) -> Path:
         f"| the two runs' losses before the fault (steps 0-{opts.kill_at_step - 1}) | "
         + ("bit-identical" if apart == 0 else f"up to {apart:.2e} apart")
         + " |",
+        f"| steps never committed, below the last one | {ranges(missing(fault))} |",
         "",
-        "Every step the survivors committed while the group was down is a step of the job: their loss is the "
-        "mean over the groups that committed it, and no step was lost (the discarded attempt was retried).",
+        "A step committed while the group was down is a step of the job: its loss is the mean over the "
+        "groups that committed it.",
     ]
     png = plot(out / "report.png", opts, clean, fault)
     if png is not None:
@@ -149,6 +150,12 @@ def report(out: Path, opts: argparse.Namespace, clean: Run, fault: Run) -> Path:
         json.dumps({"no_fault": asdict(clean), "fault": asdict(fault)}, indent=1)
     )
     return path
+
+
+def missing(run: Run) -> list[int]:
+    """Steps below the last committed one that no quorum committed (a lost step; torchft retries a
+    discarded attempt instead)."""
+    return sorted(set(range(max(run.losses, default=-1) + 1)) - set(run.losses))
 
 
 def mean_loss(run: Run, steps: list[int]) -> float:

@@ -82,7 +82,7 @@ class DiLoCo:
         world = dist.group.WORLD if group is None else group
         if world is None and manager is None:
             raise RuntimeError("DiLoCo: call torch.distributed.init_process_group() first (or pass group=)")
-        self.group: dist.ProcessGroup | None = world
+        self.group: dist.ProcessGroup | None = world if manager is None else None  # the manager's quorum
         self.manager = manager
         self.wire = (
             GradCommWire(WireFormat(wire_dtype, wire_block_size), error_feedback=False)
@@ -175,8 +175,10 @@ class DiLoCo:
             summed = torch.cat([moves, torch.full((1,), float(trained), device=device)])
             self.manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
             self.communicated_bytes += summed.numel() * summed.element_size()
-        self.trained_replicas = int(summed[-1].item())
-        if self.manager.should_commit() and self.trained_replicas > 0:
+        # a failed all-reduce may leave the sum corrupt (torchft's rule): read it only once committed
+        committed = self.manager.should_commit()
+        self.trained_replicas = int(summed[-1].item()) if committed else 0
+        if self.trained_replicas > 0:
             with torch.no_grad():
                 self._outer_step(summed[:-1] / self.trained_replicas)
         else:
