@@ -299,3 +299,19 @@ def skip_where_torch_gathers_crash(world: int) -> None:
     device = requested_device()
     if device == "cuda" and backend_for(device, world) == "gloo":
         pytest.skip("torch's functional all-gather crashes on gloo with CUDA tensors (torch 2.11)")
+
+
+def clear_torch_mesh_state() -> None:
+    """What Megatron-FSDP's tests do between meshes: drop torch's global DeviceMesh bookkeeping, the parts
+    this torch has (the process groups stay)."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    for name in (
+        "child_to_root_mapping",
+        "root_to_flatten_mapping",
+        "mesh_stack",
+        "flatten_name_to_root_dims",
+    ):
+        kept = getattr(_mesh_resources, name, None)
+        if kept is not None:
+            kept.clear()

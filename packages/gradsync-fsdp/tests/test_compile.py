@@ -12,6 +12,7 @@ from fsdp_testkit import (
     Block,
     MeshWrapped,
     TinyTransformer,
+    clear_torch_mesh_state,
     full_weights,
     local_microbatches,
     make_optimizer,
@@ -65,22 +66,6 @@ def test_training_through_a_parent_or_torch_compile(strategy: str, outside: str)
 MESHES = [((1, 4, 1), None), ((2, 2, 1), 0), ((1, 2, 2), None)]
 """(outer, shard, tp) sizes and the outer strategy (None: no HSDP): the sequence Megatron-FSDP's own
 ``test_fully_shard`` runs in one world, one mesh after another."""
-
-
-def clear_torch_mesh_state() -> None:
-    """What Megatron-FSDP's tests do between meshes: drop torch's global DeviceMesh bookkeeping, the parts
-    this torch has (the process groups stay)."""
-    from torch.distributed.device_mesh import _mesh_resources
-
-    for name in (
-        "child_to_root_mapping",
-        "root_to_flatten_mapping",
-        "mesh_stack",
-        "flatten_name_to_root_dims",
-    ):
-        kept = getattr(_mesh_resources, name, None)
-        if kept is not None:
-            kept.clear()
 
 
 def compiled_over_meshes_in_a_row(strategy: int) -> list[dict[str, torch.Tensor]]:

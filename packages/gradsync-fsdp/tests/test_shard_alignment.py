@@ -26,7 +26,6 @@ from gradsync.buffers.shard_alignment import (
     resolve_shard_alignments,
 )
 from gradsync.fsdp import compute_bucket_layout
-from gradsync.fsdp.dcp import FIRST_ROW
 from gradsync.groups.testing import run_distributed
 
 TENSOR_WEIGHTS = {"*.weight": "tensor"}
@@ -118,7 +117,7 @@ def _locals(strategy: str, alignment: Any, outer: int = 1) -> dict[str, tuple[in
     out = {}
     for name, param in trainer.model.named_parameters():
         local = param.to_local()
-        first = int(getattr(param, FIRST_ROW, 0)) if local.numel() else -1
+        first = (trainer.model.params.first_row(param) or 0) if local.numel() else -1
         out[name] = (local.shape[0] if local.dim() else 1, first, param.shape[0] if param.dim() else 1)
     return out
 

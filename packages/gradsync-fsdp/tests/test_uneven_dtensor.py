@@ -40,7 +40,7 @@ from gradsync.fsdp import (
     uneven_dtensor_to_full_tensor,
     validate_uneven_dtensor,
 )
-from gradsync.fsdp.dcp import FIRST_ROW, describe_shard
+from gradsync.fsdp.dcp import describe_shard
 from gradsync.fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
 from gradsync.groups.testing import run_distributed, test_device
 
@@ -96,7 +96,7 @@ def full_tensors_at_init(
         rows[key] = param.to_local().shape[0] if param.dim() else 1
         offset = int(gather_and_compute_chunk_metadata(param).offsets[0]) if param.dim() else 0
         if rows[key]:  # an empty chunk's offset means nothing
-            computed[key], recorded[key] = offset, getattr(param, FIRST_ROW, 0)
+            computed[key], recorded[key] = offset, model.params.first_row(param) or 0
     return {
         "full": full,
         "replicated": replicated,
@@ -195,7 +195,8 @@ def validation_outcomes() -> dict[str, str]:
         attempt(f"no_shard {name}", validate_uneven_dtensor, param)
 
     weight = params[PREFIX + "embedding.weight"]  # 24 rows: 13 + 11 on 2 ranks
-    first = getattr(weight, FIRST_ROW)
+    first = model.params.first_row(weight)
+    assert first is not None
     rows = weight.to_local().shape[0]
     overlapping = describe_shard(weight.detach(), 0 if rank == world - 1 else first)
     attempt("overlap", validate_uneven_dtensor, overlapping)
@@ -256,7 +257,7 @@ def split_pieces(strategy: str, update: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"local": [], "full": [], "offsets": [], "first": {}, "rows": {}}
     for name, size_or_sections, dim in SPLITS:
         param = params[name]
-        out["first"][name] = getattr(param, FIRST_ROW, 0)
+        out["first"][name] = model.params.first_row(param) or 0
         out["rows"][name] = param.to_local().shape[0]
         pieces = list(split_dtensor(param, size_or_sections, dim, update_uneven_dtensor_chunk_meta=update))
         out["local"].append([p.to_local().cpu() for p in pieces])
@@ -367,8 +368,7 @@ def test_preprocess_state_dict_makes_uneven_dtensors_checkpointable(tmp_path: An
 
 def plain_layouts() -> dict[str, Any]:
     """DTensors built by hand on 3 ranks: chunks in reverse rank order (rank 1 empty) described by a chunk
-    on the local tensor or by a recorded first row; an uneven Shard(1) with an empty rank and no metadata;
-    integer and bool dtypes."""
+    on the local tensor; an uneven Shard(1) with an empty rank and no metadata; integer and bool dtypes."""
     rank = dist.get_rank()
     mesh = init_device_mesh(test_device().type, (dist.get_world_size(),))
     values = torch.arange(21).reshape(7, 3)
@@ -376,18 +376,14 @@ def plain_layouts() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for dtype in (torch.float32, torch.int64, torch.bool):
         want = values.to(dtype)
-        for how in ("chunk", "first row"):
-            local = want[first : first + rows].clone().to(test_device())
-            dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=want.shape, stride=(3, 1))
-            if how == "chunk":
-                describe_shard(dt, first)
-            else:
-                setattr(dt, FIRST_ROW, first)
-            validate_uneven_dtensor(dt)
-            out[f"{dtype} {how}"] = torch.equal(uneven_dtensor_to_full_tensor(dt).cpu(), want)
-            if how == "first row":  # preprocess keeps the recorded layout (rank order would say otherwise)
-                preprocess_state_dict_for_uneven_dtensor({"x": dt})
-                out[f"{dtype} preprocessed"] = tuple(dt._local_tensor.__create_chunk_list__()[0].offsets)
+        local = want[first : first + rows].clone().to(test_device())
+        dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=want.shape, stride=(3, 1))
+        describe_shard(dt, first)
+        validate_uneven_dtensor(dt)
+        out[f"{dtype} chunk"] = torch.equal(uneven_dtensor_to_full_tensor(dt).cpu(), want)
+        # preprocess keeps the described layout (rank order would say otherwise)
+        preprocess_state_dict_for_uneven_dtensor({"x": dt})
+        out[f"{dtype} preprocessed"] = tuple(dt._local_tensor.__create_chunk_list__()[0].offsets)
     columns = torch.arange(14.0).reshape(2, 7)
     start, width = [(0, 4), (4, 0), (4, 3)][rank]
     local = columns[:, start : start + width].clone().to(test_device())
@@ -420,7 +416,7 @@ def preprocess_gradsync_checkpoint() -> dict[str, Any]:
     optim_offsets = {
         (index, name): (
             int(value._local_tensor.__create_chunk_list__()[0].offsets[0]),
-            getattr(params[index], FIRST_ROW),
+            trainer.model.params.first_row(params[index]),
         )
         for index, entry in state["optim"]["state"].items()
         for name, value in entry.items()

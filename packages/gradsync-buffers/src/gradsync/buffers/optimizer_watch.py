@@ -19,12 +19,12 @@ import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from .wrapper_claims import OWNER_ATTR, claims_made
+from .wrapper_claims import claims_made, live_owner
 
 _SHAPES_KEPT = 8
 """Param-group shapes remembered per optimizer: a step on lent local tensors shows a second one."""
@@ -79,10 +79,9 @@ def _owners(optimizer: Optimizer) -> list[OptimizerUser]:
     owners: dict[int, OptimizerUser] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
-            ref = getattr(param, OWNER_ATTR, None)
-            owner = ref() if ref is not None else None
+            owner = live_owner(param)
             if owner is not None:
-                owners.setdefault(id(owner), owner)
+                owners.setdefault(id(owner), cast(OptimizerUser, owner))
     return list(owners.values())
 
 

@@ -3,8 +3,14 @@ may run.
 
 A param belongs to one live wrapper. A second wrapper over params a first one still holds would lose their
 grads to the first one's hooks (each moves the grad into its own buffer and clears ``param.grad``), so
-training through the second would never move the weights. The owner is held weakly: dropping a wrapper
-frees its params for another.
+training through the second would never move the weights.
+
+Claims are not stamped on the params: torch's own conversions (``module.to()``, ``swap_tensors``) carry or
+drop a param's attributes in ways a wrapper cannot see. Each wrapper holds the map of what it claimed, by
+identity; the process keeps only a weak set of the wrappers that claimed anything, so dropping a wrapper
+frees its params for another. Nothing here holds a weak reference to a tensor: torch refuses to swap one
+that has any (``module.to()`` on a wrapped module would fail inside torch instead of being refused by name
+at the next forward).
 
 An optimizer holding a wrapper's params finds the wrapper through these claims
 (:mod:`.optimizer_watch`), which then refuses a step that would apply wrong grads: a backward whose grads
@@ -18,15 +24,27 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Sequence
 
+import torch
 from torch import nn
 
-OWNER_ATTR = "_gradsync_wrapper"
-"""The attribute of a wrapped param holding (weakly) the wrapper that owns it."""
+CLAIMS_ATTR = "_gradsync_claims"
+"""The attribute of a wrapper holding what it claimed: ``id(tensor) -> tensor``."""
+
+_CLAIMANTS: weakref.WeakSet[object] = weakref.WeakSet()
+"""Every live wrapper that claimed a tensor."""
 
 
-def live_owner(param: nn.Parameter) -> object | None:
-    ref = getattr(param, OWNER_ATTR, None)
-    return ref() if ref is not None else None
+def _claims(wrapper: object) -> dict[int, torch.Tensor]:
+    claimed: dict[int, torch.Tensor] = getattr(wrapper, CLAIMS_ATTR)
+    return claimed
+
+
+def live_owner(tensor: torch.Tensor) -> object | None:
+    """The live wrapper that claimed ``tensor``, or None."""
+    for wrapper in _CLAIMANTS:
+        if _claims(wrapper).get(id(tensor)) is tensor:
+            return wrapper
+    return None
 
 
 def first_owned_elsewhere(named_params: Sequence[tuple[str, nn.Parameter]], wrapper: object) -> str | None:
@@ -57,11 +75,14 @@ def claims_made() -> int:
     return _CLAIMS_MADE[0]
 
 
-def claim(params: Iterable[nn.Parameter], wrapper: object) -> None:
+def claim(tensors: Iterable[torch.Tensor], wrapper: object) -> None:
+    """Make ``wrapper`` the owner of each of ``tensors`` (none of which another live wrapper owns: the
+    wrappers refuse that first, :func:`refuse_owned_elsewhere`)."""
     _CLAIMS_MADE[0] += 1
-    ref = weakref.ref(wrapper)
-    for param in params:
-        setattr(param, OWNER_ATTR, ref)
+    if wrapper not in _CLAIMANTS:
+        setattr(wrapper, CLAIMS_ATTR, {})
+        _CLAIMANTS.add(wrapper)
+    _claims(wrapper).update((id(tensor), tensor) for tensor in tensors)
 
 
 def refuse_unfrozen(frozen: Sequence[tuple[str, nn.Parameter]], who: str) -> None:

@@ -29,10 +29,15 @@ from .registration import ParamRegistry
 from .schedule import GatherSchedule, ReduceSchedule
 from .sharded_param import ShardedParams
 from .step_control import StepControl
-from .step_tracking import OWNER, StepMarks
+from .step_tracking import StepMarks
 from .strategy import Sharding
 from .training_hooks import TrainingHooks
 from .weight_sync import WeightSync
+
+MEGATRON_OWNER = "_megatron_fsdp_model"
+"""The attribute of an optimizer param that names its MegatronFSDP: Megatron's own code reads it (its
+optimizer setup tells Megatron-FSDP models apart by it), so it is written for Megatron, as ``main_grad``
+is; gradsync finds a param's wrapper through its claims (:mod:`gradsync.buffers.wrapper_claims`)."""
 
 
 @dataclass(frozen=True)
@@ -71,8 +76,8 @@ def assemble(
     calculate_per_token_loss: bool,
     report_nan_in_param_grad: bool,
 ) -> Parts:
-    """The parts of ``owner`` (the wrapper of ``module``), whose params are claimed for it and whose
-    optimizer params name it (:data:`OWNER`), so that optimizer steps find it."""
+    """The parts of ``owner`` (the wrapper of ``module``), whose params are claimed for it, so that
+    optimizer steps find it, and whose optimizer params name it for Megatron (:data:`MEGATRON_OWNER`)."""
     sharding, outer, dist_index = layout
     shard_dim = dist_index.dp_shard_dim or ""
     dims = (dist_index.dp_outer_dim, shard_dim) if dist_index.dp_outer_dim else (shard_dim,)
@@ -80,7 +85,7 @@ def assemble(
     optimizer = OptimizerView(buckets.buckets, dist_index.get_submesh(dims), placements)
     params = ShardedParams(named, buckets.buckets, optimizer.params)
     for record in params:
-        setattr(record.sharded, OWNER, owner)
+        setattr(record.sharded, MEGATRON_OWNER, owner)
     claim([*(p for _, p in named), *(record.sharded for record in params)], owner)
     watch_optimizers()
     steps = StepMarks()

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .bucket import FlatParamBucket
-from .dcp import FIRST_ROW, describe_shard
+from .dcp import describe_shard
 from .ragged import split_of
 from .registration import ParamRegistry
 from .sharded_param import ShardedParams
@@ -77,9 +77,9 @@ def add_sharded_params(
     """Put every param of ``module`` (tied aliases included) into ``destination`` as the optimizer's
     DTensor shard, described for ``torch.distributed.checkpoint``."""
     for key, param in param_keys(module, prefix).items():
-        sharded = params.of(param).sharded
-        value = sharded if keep_vars else detach_for_saving(sharded)
-        first_row = getattr(sharded, FIRST_ROW, None)
+        record = params.of(param)
+        value = record.sharded if keep_vars else detach_for_saving(record.sharded)
+        first_row = record.first_row
         destination[key] = value if first_row is None else describe_shard(value, first_row)
 
 

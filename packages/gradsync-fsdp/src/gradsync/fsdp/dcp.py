@@ -8,6 +8,7 @@ them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -16,8 +17,6 @@ from torch.distributed.tensor import DTensor
 from gradsync.buffers.checkpointing import describe_chunk
 
 TensorT = TypeVar("TensorT", bound=torch.Tensor)
-FIRST_ROW = "_gradsync_first_row"
-"""Attribute of a sharded optimizer param: the global row its local shard starts at."""
 
 
 def describe_shard(value: TensorT, first_row: int) -> TensorT:
@@ -25,11 +24,14 @@ def describe_shard(value: TensorT, first_row: int) -> TensorT:
     return describe_chunk(value, [first_row, *([0] * (value.dim() - 1))])
 
 
-def describe_optimizer_state(state_dict: dict[str, Any], params: list[torch.Tensor]) -> None:
+def describe_optimizer_state(
+    state_dict: dict[str, Any], params: list[torch.Tensor], first_rows: Callable[[torch.Tensor], int | None]
+) -> None:
     """Describe every DTensor in an optimizer state dict whose param (by index, as
-    ``Optimizer.state_dict`` numbers them) is a MegatronFSDP shard."""
+    ``Optimizer.state_dict`` numbers them) is a MegatronFSDP shard (``first_rows`` gives its first row,
+    or None for any other param)."""
     for index, entry in state_dict["state"].items():
-        first_row = getattr(params[index], FIRST_ROW, None)
+        first_row = first_rows(params[index])
         if first_row is None:
             continue
         for value in entry.values():

@@ -10,13 +10,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-
-def mesh_device(device_type: str) -> torch.device:
-    """The device a mesh of ``device_type`` computes on in this process: the CPU, or the current
-    accelerator."""
-    if device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(device_type, torch.accelerator.current_device_index())
+from gradsync.groups.backend import current_device
 
 
 def choose_device(
@@ -26,7 +20,7 @@ def choose_device(
     if asked is not None:
         return asked
     if mesh_type is not None:
-        return mesh_device(mesh_type)
+        return current_device(mesh_type)
     return next((param.device for param in params), None)
 
 

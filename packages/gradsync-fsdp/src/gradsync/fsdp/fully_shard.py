@@ -7,8 +7,9 @@ their hyper-parameters (each param is replaced by its sharded counterpart).
 
 from __future__ import annotations
 
+import functools
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from gradsync.buffers import DistributedDataParallelConfig
 from gradsync.buffers.checkpointing import materialize_optimizer_state
 from gradsync.buffers.shard_alignment import ShardAlignmentSpec
+from gradsync.buffers.wrapper_claims import live_owner
 from gradsync.groups import FSDPDistributedIndex
 
 from .dcp import describe_optimizer_state
@@ -144,7 +146,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
     setattr(optimizer, LENDING_ATTR, True)  # its steps lend the locals below: not to be adopted
     materialize_optimizer_state(optimizer)  # a step with zero grads and lr 0: not a training step
     model.zero_grad_buffer()
-    optimizer.register_state_dict_post_hook(_describe_state)
+    optimizer.register_state_dict_post_hook(functools.partial(_describe_state, model.params.first_row))
     base_step, base_zero_grad = optimizer.step, optimizer.zero_grad
 
     def step(
@@ -175,18 +177,22 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
     return optimizer
 
 
-def _describe_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+def _describe_state(
+    first_rows: Callable[[torch.Tensor], int | None],
+    optimizer: torch.optim.Optimizer,
+    state_dict: dict[str, Any],
+) -> None:
     numbered: dict[int, torch.Tensor] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             numbered.setdefault(id(param), param)
-    describe_optimizer_state(state_dict, list(numbered.values()))
+    describe_optimizer_state(state_dict, list(numbered.values()), first_rows)
 
 
 def _model_of(optimizer: torch.optim.Optimizer) -> MegatronFSDP:
     if not optimizer.param_groups or not optimizer.param_groups[0]["params"]:
         raise ValueError("fully_shard_optimizer: the optimizer has no params")
-    model = getattr(optimizer.param_groups[0]["params"][0], "_megatron_fsdp_model", None)
+    model = live_owner(optimizer.param_groups[0]["params"][0])
     if not isinstance(model, MegatronFSDP):
         raise ValueError(
             "fully_shard_optimizer: the optimizer's params are not MegatronFSDP's; build the optimizer on "

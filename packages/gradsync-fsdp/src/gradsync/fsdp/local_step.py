@@ -43,10 +43,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from gradsync.buffers.torch_internals import local_tensor
-from gradsync.buffers.wrapper_claims import OWNER_ATTR
 
 from .ragged import RaggedDTensor
-from .step_tracking import OWNER
 
 
 def _as_distributed(value: Any, param: DTensor, local: torch.Tensor) -> Any:
@@ -68,10 +66,6 @@ class _Lent:
 
     def __init__(self, param: DTensor) -> None:
         self.param, self.local = param, local_tensor(param)
-        for mark in (OWNER, OWNER_ATTR):  # the step hooks find the model through them
-            owner = getattr(param, mark, None)
-            if owner is not None:
-                setattr(self.local, mark, owner)
         self.state: dict[str, Any] = {}  # the param's state as the optimizer holds it between steps
         self.local_state: dict[str, Any] = {}  # the same, locals, as lent in the last step
 

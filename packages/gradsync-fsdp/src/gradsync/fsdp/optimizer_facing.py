@@ -22,7 +22,7 @@ from .checkpoint import add_sharded_params, gather_full_state_dict, load_sharded
 from .optimizer_hooks import attach_optimizer
 from .sharded_param import ShardedParam, ShardedParams
 from .step_control import StepControl
-from .step_tracking import OWNER, StepMarks
+from .step_tracking import StepMarks
 from .strategy import Sharding
 from .training_hooks import TrainingHooks
 from .weight_sync import WeightSync
@@ -91,17 +91,17 @@ class OptimizerFacing(nn.Module):
             "MegatronFSDP: moving or casting the model (to(), cuda(), cpu(), float(), half(), to_empty(), "
             "...) after wrapping is not supported: its params are views of the wrapper's flat buffers, and "
             "torch would put copies the wrapper never reads or steps in their place (a move to the device "
-            "they are on still strips the wrapper's marks from them). Move or cast the module before "
+            "they are on still puts copies in). Move or cast the module before "
             "wrapping, or pass device= (for dtypes, mixed_precision_policy)"
         )
 
     def _refuse_converted(self) -> None:
         """Raise when a move or cast of the wrapped module itself (``module.to()``, ...) swapped the
-        optimizer's params it holds between steps for copies: those lose the marks that step tracking and
-        the step guard read, and a move to another device leaves the optimizer stepping copies. One param
+        optimizer's params it holds between steps for copies: their local tensors are no longer views of
+        the wrapper's buffers, so the optimizer would step tensors the wrapper never reads. One param
         is looked at per forward, so a conversion of a submodule that does not hold it goes unseen, and so
         does one during a step (the module then holds the compute params, which keep their marks)."""
-        if self._probe is not None and getattr(self._probe.sharded, OWNER, None) is not self:
+        if self._probe is not None and self._probe.swapped_for_a_copy:
             raise RuntimeError(
                 f"MegatronFSDP: param {self._probe.name} of the wrapped module is a copy the wrapper does "
                 "not hold: the module was moved or cast after wrapping (module.to(), cuda(), float(), "

@@ -27,7 +27,7 @@ from gradsync.buffers.shard_alignment import SHARD_ALIGNMENT_ATTR
 from gradsync.buffers.torch_internals import local_tensor
 
 from .bucket import FlatParamBucket
-from .dcp import FIRST_ROW, describe_shard
+from .dcp import describe_shard
 from .ragged import RaggedDTensor, left_to_right, shard_placement, torch_describes
 from .torch_internals import HAS_SHARD_ORDER
 
@@ -94,9 +94,7 @@ def build_optimizer_params(
             dtensor = as_dtensor(local, mesh, raw.shape, placements)
         param = nn.Parameter(dtensor, requires_grad=raw.requires_grad)
         if bucket.sharding.shard_main:
-            first_row = bucket.owned_rows(index)[0]
-            setattr(param, FIRST_ROW, first_row)
-            describe_shard(param, first_row)
+            describe_shard(param, bucket.owned_rows(index)[0])
         for name in CARRIED_ATTRIBUTES:
             if hasattr(raw, name):
                 setattr(param, name, getattr(raw, name))

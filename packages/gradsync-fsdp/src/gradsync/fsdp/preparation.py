@@ -93,7 +93,7 @@ def prepare_wrap(
     refuse_packed_gathers_where_nothing_is_gathered(config)
     outer = outer_replication(config, dist_index, sharding)
     meta = replace_meta_params(module, device) if meta_init else None
-    # Looked for before the move: module.to() swaps a live wrapper's DTensor params for unmarked copies.
+    # Looked for before the move: module.to() swaps copies into a live wrapper's DTensor params.
     # A module held elsewhere is not moved; it is refused below, once every rank agrees.
     owned_elsewhere = first_owned_elsewhere(list(module.named_parameters()), owner)
     if asked_device is not None and owned_elsewhere is None:

@@ -3,7 +3,8 @@
 A param lives as two tensors. The compute param is the module's own, a view of its bucket's weights, with
 ``main_grad`` on it, where Megatron's code reads it. The optimizer's param is a DTensor over the bucket's
 main weights. Lookups from either tensor go through one map to the record, so no other place keeps a
-per-param map that could drift from it.
+per-param map that could drift from it, and nothing gradsync reads is stamped on the params (Megatron's
+``_megatron_fsdp_model`` is written for Megatron's code alone).
 """
 
 from __future__ import annotations
@@ -14,14 +15,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gradsync.buffers.torch_internals import local_tensor
+
 from .bucket import FlatParamBucket
 
 
 @dataclass(eq=False)
 class ShardedParam:
     """A param as the wrapper holds it: its name in the wrapped module, its compute param (item ``index``
-    of ``bucket``), the optimizer's sharded param, and whether it was frozen when wrapped (it then has no
-    grad buffer or hook, so an optimizer step that finds it trainable is refused)."""
+    of ``bucket``), the optimizer's sharded param and the local tensor under it (a view of the bucket's
+    buffers: a conversion of the module that swaps the param for a copy leaves another one there), and
+    whether it was frozen when wrapped (it then has no grad buffer or hook, so an optimizer step that
+    finds it trainable is refused)."""
 
     name: str
     compute: nn.Parameter
@@ -29,6 +34,19 @@ class ShardedParam:
     index: int
     sharded: nn.Parameter
     frozen_at_wrap: bool
+
+    def __post_init__(self) -> None:
+        self.local = local_tensor(self.sharded)
+
+    @property
+    def first_row(self) -> int | None:
+        """The global row this rank's shard starts at, where the main weights are sharded (else None)."""
+        return self.bucket.owned_rows(self.index)[0] if self.bucket.sharding.shard_main else None
+
+    @property
+    def swapped_for_a_copy(self) -> bool:
+        """Whether torch put another tensor in the sharded param (``module.to()`` and the like)."""
+        return local_tensor(self.sharded) is not self.local
 
 
 class ShardedParams:
@@ -63,6 +81,12 @@ class ShardedParams:
     def of(self, tensor: torch.Tensor) -> ShardedParam:
         """The record of a compute param, an optimizer param, or an alias given to :meth:`alias`."""
         return self._of[tensor]
+
+    def first_row(self, tensor: torch.Tensor) -> int | None:
+        """The first row of ``tensor``'s shard if it is one of these params' and the main weights are
+        sharded, else None."""
+        record = self._of.get(tensor)
+        return record.first_row if record is not None else None
 
     def alias(self, tensor: torch.Tensor, known: torch.Tensor) -> None:
         """Let ``tensor`` (a meta param the caller still holds) stand for ``known``'s record."""

@@ -23,7 +23,3 @@ class StepMarks:
 
     def mark(self) -> None:
         self.weights_uninstalled = self.grads_consumed = True
-
-
-OWNER = "_megatron_fsdp_model"
-"""The attribute of an optimizer param that names its MegatronFSDP (the reference's name)."""

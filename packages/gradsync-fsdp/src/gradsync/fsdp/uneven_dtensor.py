@@ -8,16 +8,13 @@ transport aborts). These helpers take the names, signatures and behaviour of Meg
 of ``Shard`` / ``_StridedShard`` / ``Replicate`` placements (gradsync's ``(shard)`` and ``(outer, shard)``
 meshes included), and for ranks that own nothing.
 
-Where each rank's chunk starts, in order of preference:
-
-1. the chunk attached to the local tensor (``__create_chunk_list__``: gradsync's
-   :func:`~gradsync.fsdp.dcp.describe_shard` puts it on every sharded optimizer param, and
-   :func:`update_uneven_dtensor_chunk_metadata` on anything it has seen);
-2. the param's recorded first row (:data:`~gradsync.fsdp.dcp.FIRST_ROW`);
-3. computed by :func:`gather_and_compute_chunk_metadata` (a collective), as the reference does.
+Where each rank's chunk starts: the chunk attached to the local tensor (``__create_chunk_list__``:
+gradsync's :func:`~gradsync.fsdp.dcp.describe_shard` puts it on every sharded optimizer param, and
+:func:`update_uneven_dtensor_chunk_metadata` on anything it has seen), else computed by
+:func:`gather_and_compute_chunk_metadata` (a collective), as the reference does.
 
 Every rank of the mesh must call a collective helper for the same DTensors in the same order, and they must
-agree on which DTensors carry metadata (true of gradsync's params: every rank records its first row).
+agree on which DTensors carry metadata (true of gradsync's params: every rank describes its shard).
 """
 
 from __future__ import annotations
@@ -36,7 +33,6 @@ from torch.distributed.tensor.placement_types import Placement
 from gradsync.buffers.checkpointing import contiguous_stride, describe_chunk
 from gradsync.buffers.torch_internals import local_tensor
 
-from .dcp import FIRST_ROW
 from .torch_internals import _StridedShard
 
 __all__ = [
@@ -122,10 +118,6 @@ def _known_chunk(dtensor: DTensor) -> ChunkStorageMetadata | None:
         if len(chunks) != 1:
             raise ValueError(f"Expected exactly one chunk metadata per rank, got {len(chunks)}.")
         return ChunkStorageMetadata(offsets=torch.Size(chunks[0].offsets), sizes=dtensor.to_local().shape)
-    first_row = getattr(dtensor, FIRST_ROW, None)
-    if first_row is not None:
-        offsets = torch.Size([int(first_row), *([0] * (dtensor.dim() - 1))])
-        return ChunkStorageMetadata(offsets=offsets, sizes=dtensor.to_local().shape)
     return None
 
 
@@ -135,7 +127,7 @@ def _attach(dtensor: DTensor, chunk: ChunkStorageMetadata) -> None:
 
 def update_uneven_dtensor_chunk_metadata(dtensor: DTensor) -> None:
     """Attach ``dtensor``'s true chunk to its local tensor, where DTensor's DCP hooks read it (and an empty
-    shard writes nothing). Uses gradsync's recorded first row when there is one, else
+    shard writes nothing). Uses the chunk already attached when there is one, else
     :func:`gather_and_compute_chunk_metadata` (a collective)."""
     chunk = _known_chunk(dtensor)
     _attach(dtensor, chunk if chunk is not None else gather_and_compute_chunk_metadata(dtensor))

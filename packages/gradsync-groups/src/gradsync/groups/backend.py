@@ -265,7 +265,11 @@ def device_for_group(
         preferred = torch.device(preferred)
         if preferred.type in _device_backends(backend):
             return preferred
-    device_type = capabilities_of(backend).device_type
+    return current_device(capabilities_of(backend).device_type)
+
+
+def current_device(device_type: str) -> torch.device:
+    """The device of ``device_type`` this process computes on: the CPU, or the current accelerator."""
     if device_type == "cpu":
         return torch.device("cpu")
     return torch.device(device_type, torch.accelerator.current_device_index())

@@ -11,7 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import Shard
 
-from ..step_tracking import OWNER
+from gradsync.buffers.wrapper_claims import live_owner
+
 from ..strategy import STRATEGY_NAMES, parse_strategy
 from .module import FSDPModule
 from .state import _PENDING, _Call, _is_root, _state
@@ -114,7 +115,7 @@ def _refuse_reuse(module: nn.Module) -> None:
             "nest: pass fully_shard the blocks only, then the root), or it was used (parameters(), a "
             "forward) before a root call covered it (read no params between the calls)"
         )
-    if any(getattr(p, OWNER, None) is not None for p in module.parameters()):
+    if any(live_owner(p) is not None for p in module.parameters()):
         raise ValueError(
             f"fully_shard: {type(module).__name__} belongs to a model that is already sharded; call "
             "fully_shard on the submodules before the root"
