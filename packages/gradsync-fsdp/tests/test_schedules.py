@@ -2,7 +2,8 @@
 and activation checkpointing; weights read after an optimizer step before any forward; a layer that gets
 grads on one rank only (ranks must launch their reductions in one order), and zeroed twice in a row (the
 second zeroing writes nothing unless grads were written); a backward after a step without
-zero_grad_buffer() is refused instead of counting the stepped grads twice."""
+zero_grad_buffer() is refused instead of counting the stepped grads twice; reductions launch as buckets
+complete, while the backward still runs."""
 
 from __future__ import annotations
 
@@ -196,3 +197,42 @@ def backward_after_a_step_without_zeroing(strategy: str) -> str:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_backward_after_a_step_without_zero_grad_buffer_is_refused(strategy: str) -> None:
     run_distributed(backward_after_a_step_without_zeroing, 2, args=(strategy,), reuse=False)
+
+
+def launches_before_the_backward_reaches_the_embedding(strategy: str) -> list[tuple[int, int]]:
+    """For two steps: how many reductions had launched when the backward reached the embedding's output
+    (every block's grads are in by then), and how many launched in the whole backward."""
+    model, rank, world = wrap(strategy), dist.get_rank(), dist.get_world_size()
+    reductions = model._hooks.reductions
+    launched: list[object] = []
+    launch = reductions.launch
+
+    def counted(group: Any) -> None:
+        launched.append(group)
+        launch(group)
+
+    reductions.launch = counted  # type: ignore[method-assign]
+    seen: list[int] = []
+
+    def watch_embedding_output(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        out.register_hook(lambda grad: seen.append(len(launched)))  # type: ignore[no-untyped-call]
+
+    model.module.embedding.register_forward_hook(watch_embedding_output)
+    counts = []
+    for step in range(2):
+        model.zero_grad_buffer()
+        model(local_microbatches(step, rank, world, 1)[0]).backward()
+        model.finish_grad_sync()
+        counts.append((seen[-1], len(launched)))
+        launched.clear()
+    return counts
+
+
+def test_reductions_launch_during_the_backward_as_buckets_complete() -> None:
+    """Overlap: under ZeRO-3 a unit's reduction launches once its last grad is in, before the backward
+    ends (the other strategies coalesce this model's buckets into one reduction at its end)."""
+    for rank, counts in enumerate(
+        run_distributed(launches_before_the_backward_reaches_the_embedding, 2, args=("optim_grads_params",))
+    ):
+        for early, total in counts:
+            assert 0 < early < total, (rank, counts)

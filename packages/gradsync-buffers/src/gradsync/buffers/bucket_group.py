@@ -1,8 +1,9 @@
 """Bucket groups: buckets whose grads are reduced, and params gathered, as one asynchronous step.
 
-A group tracks which of its params have their grad for this iteration. The first iteration only counts
-("golden" counts, so params used several times in one backward are handled); from the second on, the group
-dispatches its reduction the moment its counts match, overlapping it with the rest of backward. With the
+A group tracks which of its params have their grad for this iteration (:mod:`.grad_arrivals`, the
+mechanism MegatronFSDP's buckets use too). The first iteration only counts ("golden" counts, so params used
+several times in one backward are handled); from the second on, the group dispatches its reduction the
+moment its counts match, overlapping it with the rest of backward. With the
 distributed optimizer grads are reduce-scattered (each rank owns one shard of every bucket) and params are
 gathered back, group by group, ahead of the forward pass that needs them.
 """
@@ -25,6 +26,7 @@ from .comm_hook import RegisteredHook
 from .config import DistributedDataParallelConfig
 from .deferred_grad_checks import DeferredGradChecks
 from .foreign_config import as_ddp_config
+from .grad_arrivals import GradArrivals
 from .grad_checks import LargeGradDetector, LocalGradNorms, check_grads
 from .low_precision_reduce import GradCommWire
 from .stats import CommStats
@@ -72,11 +74,8 @@ class ParamAndGradBucketGroup:
         """When this group's last grad arrived in the first iteration, on ``grad_clock``: the order the
         backward readies the groups in, and so launches their reductions in every later iteration."""
 
-        self.golden_per_param_grad_ready_counts: dict[Parameter, int] = {}
-        self.per_param_grad_ready_counts: dict[Parameter, int] = {}
-        # Params whose count differs from the golden one: the group is ready when none does. Kept
-        # incrementally so that each hook call costs O(1) instead of comparing two dicts.
-        self._mismatched_counts = 0
+        self.grad_arrivals: GradArrivals[Parameter] = GradArrivals({})
+        """Grads counted per param this iteration, against the golden counts of the first one."""
         self.is_last_microbatch = True
         self.is_first_batch = True
         self.grad_reduce_handle: collectives.Launched | None = None
@@ -107,6 +106,16 @@ class ParamAndGradBucketGroup:
         )
 
     @property
+    def golden_per_param_grad_ready_counts(self) -> dict[Parameter, int]:
+        """How many grads each param got in the first iteration: what every later one waits for."""
+        return self.grad_arrivals.expected
+
+    @property
+    def per_param_grad_ready_counts(self) -> dict[Parameter, int]:
+        """How many grads each param has had in this iteration."""
+        return self.grad_arrivals.counts
+
+    @property
     def grad_norms(self) -> LocalGradNorms | None:
         """The NaN/Inf and large-grad checks' local norms, read at finish_grad_sync (None without them)."""
         return None if self._grad_checks is None else self._grad_checks.norms
@@ -123,10 +132,10 @@ class ParamAndGradBucketGroup:
                     f"iteration: {', '.join(missing)}. Every param must receive a grad in every iteration; "
                     "freeze unused params (requires_grad=False) before wrapping."
                 )
-            self.golden_per_param_grad_ready_counts = dict(self.per_param_grad_ready_counts)
+            self.grad_arrivals.restart(expected=dict(self.per_param_grad_ready_counts))
             self.is_first_batch = False
-        self.per_param_grad_ready_counts = {}
-        self._mismatched_counts = len(self.golden_per_param_grad_ready_counts)
+        else:
+            self.grad_arrivals.restart()
         if self._grad_checks is not None:
             self._grad_checks.reset()
         self.is_last_microbatch = True
@@ -136,7 +145,7 @@ class ParamAndGradBucketGroup:
 
     def params_without_grad(self) -> list[str]:
         """Names of the params that have reported no grad in this iteration."""
-        return sorted(self.param_names[p] for p in self.params if p not in self.per_param_grad_ready_counts)
+        return sorted(self.param_names[p] for p in self.grad_arrivals.missing(self.params))
 
     def register_grad_ready(self, param: Parameter, force_all_reduce: bool = False) -> None:
         """Count one grad of ``param``; dispatch the reduction once every count matches the golden one."""
@@ -146,14 +155,10 @@ class ParamAndGradBucketGroup:
             return
         if param not in self.params:
             raise ValueError(f"Param is not in the bucket group: {getattr(param, 'shape', param)}")
-        before = self.per_param_grad_ready_counts.get(param, 0)
-        self.per_param_grad_ready_counts[param] = before + 1
+        complete = self.grad_arrivals.arrive(param)
         if self.is_first_batch:
             self.readied_at = next(self.grad_clock)
-            return
-        golden = self.golden_per_param_grad_ready_counts.get(param, 0)
-        self._mismatched_counts += (before == golden) - (before + 1 == golden)
-        if self._mismatched_counts == 0:
+        elif complete:
             self.start_grad_sync(force_all_reduce)
 
     # --- gradient reduction ----------------------------------------------------------------------

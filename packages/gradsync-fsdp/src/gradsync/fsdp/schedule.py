@@ -1,7 +1,8 @@
 """When MegatronFSDP communicates: which gathers run ahead of use, and when each bucket's grads are reduced.
 
 :class:`GatherSchedule` gathers a unit's buckets and prefetches the next units in forward or backward
-order within a budget of elements. :class:`ReduceSchedule` counts each bucket's grads as they arrive,
+order within a budget of elements. :class:`ReduceSchedule` counts each bucket's grads as they arrive
+(:mod:`gradsync.buffers.grad_arrivals`, as gradsync-ddp's bucket groups do, expecting one per param),
 launches its reduction when the last one lands (or defers it to the end of the cycle: ``no_shard`` and
 ``optim`` reduce once per cycle), reduces buckets grouped by :mod:`gradsync.fsdp.coalesce` in one
 collective, bounds the reductions in flight, chains HSDP's outer stage to the inner one
@@ -18,6 +19,7 @@ import torch
 
 from gradsync.buffers import watchdog
 from gradsync.buffers.collectives import Launched, chain
+from gradsync.buffers.grad_arrivals import GradArrivals
 from gradsync.buffers.grad_checks import LocalGradNorms
 
 from .allocators import BucketAllocator
@@ -105,7 +107,9 @@ class ReduceSchedule:
         self.sharding, self.outer, self.reduction = sharding, outer, reduction
         self.overlap, self.grad_norms, self.cycle_ends = overlap, grad_norms, cycle_ends
         self.queue_capacity = queue_capacity  # elements in flight before the oldest is waited for
-        self._ready: dict[int, set[int]] = {b.bucket_id: set() for b in buckets}
+        self._ready: dict[int, GradArrivals[int]] = {  # one grad per param (by its index) completes it
+            b.bucket_id: GradArrivals(dict.fromkeys(range(len(b.spec.params)), 1)) for b in buckets
+        }
         self._completed: set[int] = set()  # in this backward
         self._pending: set[int] = set()  # complete, reduction deferred to the cycle's end
         self._outer_pending: set[int] = set()  # HSDP: inner-reduced this cycle, the outer stage not run
@@ -130,9 +134,7 @@ class ReduceSchedule:
             self.wait_until(bucket.can_take_grads)
         # a grad with history (create_graph=True) would record the buffer into the graph: add its data
         bucket.accumulate(index, grad.detach() if grad.requires_grad else grad)
-        ready = self._ready[bucket.bucket_id]
-        ready.add(index)
-        if len(ready) == len(bucket.spec.params):
+        if self._ready[bucket.bucket_id].arrive(index):
             self._complete(bucket)
 
     def end_backward(self) -> None:
@@ -169,7 +171,7 @@ class ReduceSchedule:
             self._reduced_this_cycle.discard(bucket.bucket_id)
 
     def _complete(self, bucket: FlatParamBucket) -> None:
-        self._ready[bucket.bucket_id] = set()
+        self._ready[bucket.bucket_id].restart()
         self._completed.add(bucket.bucket_id)
         if self.sharding.shard_grads or (self.overlap and self.cycle_ends()):
             self._launchable.add(bucket.bucket_id)
@@ -262,7 +264,7 @@ class ReduceSchedule:
         missing = {}
         for bucket in self.buckets:
             done = bucket.bucket_id in self._completed or bucket.bucket_id in self._reduced_this_cycle
-            arrived = self._ready[bucket.bucket_id]
+            arrived = self._ready[bucket.bucket_id].counts
             if not bucket.spec.requires_grad or done or not (arrived or in_backward):
                 continue
             names = [n for i, n in enumerate(bucket.spec.names) if i not in arrived]
