@@ -39,6 +39,8 @@ def check_records(model: nn.Module, names: list[str]) -> None:
         assert model.params.of(record.compute) is record  # type: ignore[attr-defined]
         assert model.params.of(record.sharded) is record  # type: ignore[attr-defined]
         assert record.bucket.spec.params[record.index] is record.compute
+        (slot,) = record.slots  # the module attribute holding it, which shows the optimizer's param now
+        assert slot[0]._parameters[slot[1]] is record.sharded
         assert record.frozen_at_wrap == (record.name == "0.bias")
         assert record.sharded.requires_grad != record.frozen_at_wrap
 
@@ -128,6 +130,11 @@ def records_across_a_group_reinit(strategy: int, directory: str) -> dict[str, ob
     second.model.load_state_dict(target["model"])
     second.optimizer.load_state_dict(target["optim"])
     assert layout(second.model) == saved_layout
+    tied = second.model.params.of(second.model.module.head.weight)  # the head's weight is the embedding's
+    assert [(type(owner).__name__, leaf) for owner, leaf in tied.slots] == [
+        ("Embedding", "weight"),
+        ("Linear", "weight"),
+    ]
     assert not any(r.swapped_for_a_copy for r in second.model.params)
     train_step(second, 1)
     got_weights, got_state = full_weights(second.model), optimizer_locals(second.optimizer)

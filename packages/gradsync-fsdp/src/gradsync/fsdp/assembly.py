@@ -83,13 +83,13 @@ def assemble(
     dims = (dist_index.dp_outer_dim, shard_dim) if dist_index.dp_outer_dim else (shard_dim,)
     placements = optimizer_placements(sharding, outer)
     optimizer = OptimizerView(buckets.buckets, dist_index.get_submesh(dims), placements)
-    params = ShardedParams(named, buckets.buckets, optimizer.params)
+    params = ShardedParams(module, named, buckets.buckets, optimizer.params)
     for record in params:
         setattr(record.sharded, MEGATRON_OWNER, owner)
     claim([*(p for _, p in named), *(record.sharded for record in params)], owner)
     watch_optimizers()
     steps = StepMarks()
-    registry = ParamRegistry(module, params)
+    registry = ParamRegistry(params)
     for meta_param, placeholder in (meta.params if meta is not None else {}).items():
         params.alias(meta_param, placeholder)  # fully_shard's optimizer holds the meta params
     unit_sizes = [sum(b.layout.size for b in unit) for unit in buckets.of_unit]

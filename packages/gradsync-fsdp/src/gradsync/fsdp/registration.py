@@ -11,33 +11,28 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from torch import nn
-
-from .sharded_param import ShardedParam, ShardedParams
+from .sharded_param import ShardedParams
 
 
 class ParamRegistry:
-    """Every ``(module, attribute)`` that holds a compute param, and the swap between the two sets."""
+    """Which of each record's two params its module slots hold, and the swap between the two sets."""
 
-    def __init__(self, root: nn.Module, params: ShardedParams) -> None:
-        self._slots: list[tuple[nn.Module, str, ShardedParam]] = [
-            (owner, leaf, params.of(param))
-            for owner in root.modules()
-            for leaf, param in owner._parameters.items()
-            if param is not None and param in params
-        ]
+    def __init__(self, params: ShardedParams) -> None:
+        self._params = params
         self.showing_compute = True
 
     def show_compute(self) -> None:
         if not self.showing_compute:
-            for owner, leaf, record in self._slots:
-                owner._parameters[leaf] = record.compute
+            for record in self._params:
+                for owner, leaf in record.slots:
+                    owner._parameters[leaf] = record.compute
             self.showing_compute = True
 
     def show_optimizer(self) -> None:
         if self.showing_compute:
-            for owner, leaf, record in self._slots:
-                owner._parameters[leaf] = record.sharded
+            for record in self._params:
+                for owner, leaf in record.slots:
+                    owner._parameters[leaf] = record.sharded
             self.showing_compute = False
 
     @contextlib.contextmanager

@@ -10,7 +10,7 @@ per-param map that could drift from it, and nothing gradsync reads is stamped on
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -24,9 +24,10 @@ from .bucket import FlatParamBucket
 class ShardedParam:
     """A param as the wrapper holds it: its name in the wrapped module, its compute param (item ``index``
     of ``bucket``), the optimizer's sharded param and the local tensor under it (a view of the bucket's
-    buffers: a conversion of the module that swaps the param for a copy leaves another one there), and
+    buffers: a conversion of the module that swaps the param for a copy leaves another one there),
     whether it was frozen when wrapped (it then has no grad buffer or hook, so an optimizer step that
-    finds it trainable is refused)."""
+    finds it trainable is refused), and the module slots that hold it (``(module, attribute)``: a tied
+    param has several)."""
 
     name: str
     compute: nn.Parameter
@@ -34,6 +35,7 @@ class ShardedParam:
     index: int
     sharded: nn.Parameter
     frozen_at_wrap: bool
+    slots: list[tuple[nn.Module, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.local = local_tensor(self.sharded)
@@ -55,10 +57,13 @@ class ShardedParams:
 
     def __init__(
         self,
+        root: nn.Module,
         named: Sequence[tuple[str, nn.Parameter]],
         buckets: Sequence[FlatParamBucket],
         optimizer_params: Sequence[Sequence[nn.Parameter]],
     ) -> None:
+        """The records of ``root``'s params ``named`` (in its order), each item of ``buckets`` with its
+        optimizer param, and every slot of ``root``'s modules that holds one."""
         where = {
             param: (bucket, index, sharded)
             for bucket, params in zip(buckets, optimizer_params, strict=True)
@@ -71,6 +76,10 @@ class ShardedParams:
         self._of: dict[torch.Tensor, ShardedParam] = {
             tensor: record for record in self.records for tensor in (record.compute, record.sharded)
         }
+        for owner in root.modules():
+            for leaf, param in owner._parameters.items():
+                if param is not None and param in self._of:
+                    self._of[param].slots.append((owner, leaf))
 
     def __iter__(self) -> Iterator[ShardedParam]:
         return iter(self.records)
