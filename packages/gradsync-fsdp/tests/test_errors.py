@@ -75,6 +75,10 @@ def test_a_dist_index_that_does_not_cover_this_rank_is_refused() -> None:
 def foreign_optimizer() -> None:
     with pytest.raises(ValueError, match="not MegatronFSDP's"):
         fully_shard_optimizer(torch.optim.SGD(TinyTransformer().parameters(), lr=0.1))
+    # built on the module's own params before wrapping: the wrapper holds them, but never steps them
+    model = wrap("optim_grads_params")
+    with pytest.raises(ValueError, match="not MegatronFSDP's"):
+        fully_shard_optimizer(torch.optim.SGD([r.compute for r in model.params], lr=0.1))
 
 
 def test_fully_shard_optimizer_refuses_an_optimizer_on_other_params() -> None:

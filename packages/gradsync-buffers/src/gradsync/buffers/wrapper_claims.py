@@ -7,10 +7,11 @@ training through the second would never move the weights.
 
 Claims are not stamped on the params: torch's own conversions (``module.to()``, ``swap_tensors``) carry or
 drop a param's attributes in ways a wrapper cannot see. Each wrapper holds the map of what it claimed, by
-identity; the process keeps only a weak set of the wrappers that claimed anything, so dropping a wrapper
-frees its params for another. Nothing here holds a weak reference to a tensor: torch refuses to swap one
-that has any (``module.to()`` on a wrapped module would fail inside torch instead of being refused by name
-at the next forward).
+identity; the process keeps only a weak set of the wrappers that claimed anything, so a wrapper that is
+collected frees its params for another (a MegatronFSDP lives as long as its module: Megatron's
+``_megatron_fsdp_model`` on each param points back at it). Nothing here holds a weak reference to a tensor:
+torch refuses to swap one that has any (``module.to()`` on a wrapped module would fail inside torch instead of
+being refused by name at the next forward).
 
 An optimizer holding a wrapper's params finds the wrapper through these claims
 (:mod:`.optimizer_watch`), which then refuses a step that would apply wrong grads: a backward whose grads

@@ -86,7 +86,8 @@ def assemble(
     params = ShardedParams(module, named, buckets.buckets, optimizer.params)
     for record in params:
         setattr(record.sharded, MEGATRON_OWNER, owner)
-    claim([*(p for _, p in named), *(record.sharded for record in params)], owner)
+    # the local tensors too: an optimizer that lends them for its steps may first meet the model in one
+    claim([*(p for _, p in named), *(t for r in params for t in (r.sharded, r.local))], owner)
     watch_optimizers()
     steps = StepMarks()
     registry = ParamRegistry(params)

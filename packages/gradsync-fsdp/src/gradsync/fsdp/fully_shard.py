@@ -7,9 +7,8 @@ their hyper-parameters (each param is replaced by its sharded counterpart).
 
 from __future__ import annotations
 
-import functools
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -146,7 +145,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
     setattr(optimizer, LENDING_ATTR, True)  # its steps lend the locals below: not to be adopted
     materialize_optimizer_state(optimizer)  # a step with zero grads and lr 0: not a training step
     model.zero_grad_buffer()
-    optimizer.register_state_dict_post_hook(functools.partial(_describe_state, model.params.first_row))
+    optimizer.register_state_dict_post_hook(_describe_state)
     base_step, base_zero_grad = optimizer.step, optimizer.zero_grad
 
     def step(
@@ -177,23 +176,26 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
     return optimizer
 
 
-def _describe_state(
-    first_rows: Callable[[torch.Tensor], int | None],
-    optimizer: torch.optim.Optimizer,
-    state_dict: dict[str, Any],
-) -> None:
+def _describe_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
     numbered: dict[int, torch.Tensor] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             numbered.setdefault(id(param), param)
-    describe_optimizer_state(state_dict, list(numbered.values()), first_rows)
+    describe_optimizer_state(state_dict, list(numbered.values()), _first_row)
+
+
+def _first_row(param: torch.Tensor) -> int | None:
+    """The first row of ``param``'s shard if it is a MegatronFSDP's sharded param (of any model)."""
+    owner = live_owner(param)
+    return owner.params.first_row(param) if isinstance(owner, MegatronFSDP) else None
 
 
 def _model_of(optimizer: torch.optim.Optimizer) -> MegatronFSDP:
     if not optimizer.param_groups or not optimizer.param_groups[0]["params"]:
         raise ValueError("fully_shard_optimizer: the optimizer has no params")
-    model = live_owner(optimizer.param_groups[0]["params"][0])
-    if not isinstance(model, MegatronFSDP):
+    first = optimizer.param_groups[0]["params"][0]
+    model = live_owner(first)
+    if not isinstance(model, MegatronFSDP) or model.params.of(first).sharded is not first:
         raise ValueError(
             "fully_shard_optimizer: the optimizer's params are not MegatronFSDP's; build the optimizer on "
             "MegatronFSDP(...).parameters() (or use fully_shard(module, optimizer))"

@@ -100,7 +100,7 @@ class OptimizerFacing(nn.Module):
         optimizer's params it holds between steps for copies: their local tensors are no longer views of
         the wrapper's buffers, so the optimizer would step tensors the wrapper never reads. One param
         is looked at per forward, so a conversion of a submodule that does not hold it goes unseen, and so
-        does one during a step (the module then holds the compute params, which keep their marks)."""
+        does one during a step (the module then holds the compute params)."""
         if self._probe is not None and self._probe.swapped_for_a_copy:
             raise RuntimeError(
                 f"MegatronFSDP: param {self._probe.name} of the wrapped module is a copy the wrapper does "
