@@ -6,6 +6,7 @@ a fresh machine that has only Python and pip.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -28,6 +29,10 @@ TEST_TOOLS = ("pytest", "pytest-timeout", "hypothesis", "numpy")
 # sessions go without them (torchft needs torch 2.7 or later), and those tests skip there.
 TEST_EXTRAS = {"ddp": ("torchft",), "fsdp": ("torchft",)}
 SLOWEST = "--durations=10"  # every test session names its slowest tests, so a slow CI run shows where it went
+# Each package's test session reports its results here (JUnit, one file per package), for this run's
+# mutations session: guards that passed there need no second unmutated run (about 3 minutes of the suite).
+REPORTS = Path(tempfile.mkdtemp(prefix="gradsync-nox-reports-"))
+atexit.register(shutil.rmtree, REPORTS, ignore_errors=True)
 
 # Layer of each package and the gradsync packages it declares (its pip dependencies). Kept in step with
 # the pyprojects and the import-linter contract in .importlinter; the `build` session checks pip agrees.
@@ -85,7 +90,8 @@ def make_tests_session(name: str) -> None:
     @nox.session(name=f"tests-{name}")
     def tests(session: nox.Session) -> None:
         install_local(session, name, extra=(*TEST_TOOLS, *TEST_EXTRAS.get(name, ())))
-        session.run("pytest", SLOWEST, pkg_dir(name), *session.posargs)
+        report = ("-o", "junit_family=xunit1", f"--junitxml={REPORTS / f'tests-{name}.xml'}")
+        session.run("pytest", SLOWEST, *report, pkg_dir(name), *session.posargs)
 
     tests.__doc__ = f"pytest on gradsync-{name} in a venv holding only it and its dependencies."
 
@@ -161,18 +167,15 @@ def layers(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Every wheel builds; then every `pip install packages/...` command in every README runs verbatim
-    (from the repository root, torch already present) and must install exactly the layer it ends with and
-    the layers that layer declares below it, nothing above, so a README that drifts fails here. Last, the
-    doc check (tools/doccheck.py, and its test that plants wrong names): every name, session, flag and link
-    in the READMEs and docs/ exists, and every figure carries its provenance; and the statistics bench_ab
-    reports its ratios with."""
+    """Every wheel builds; then the doc check (tools/doccheck.py, and its test that plants wrong names):
+    every name, session, flag and link in the READMEs and docs/ exists, and every figure carries its
+    provenance; and the statistics bench_ab reports its ratios with. (The READMEs' install lines run in
+    ``compat-2.6``, on the declared torch floor.)"""
     session.install(*CONSTRAINTS, "build", "torch")
     dist_dir = Path(session.create_tmp()) / "wheels"
     shutil.rmtree(dist_dir, ignore_errors=True)
     for name in PACKAGES:
         session.run("python", "-m", "build", "--wheel", "--outdir", str(dist_dir), pkg_dir(name))
-    check_readme_installs(session)
     install_local(session, *PACKAGES, extra=("pytest", "nox"))
     doc_test = str(ROOT / "tools" / "test_doccheck.py")
     bench_stats_test = str(ROOT / "benchmarks" / "test_bench_ab.py")
@@ -180,8 +183,9 @@ def build(session: nox.Session) -> None:
 
 
 def check_readme_installs(session: nox.Session, env: dict[str, str] | None = None) -> None:
-    """Run every README's ``pip install packages/...`` line verbatim over the torch already in the venv
-    and check what each installs (see ``build``)."""
+    """Run every README's ``pip install packages/...`` line verbatim over the torch already in the venv:
+    each must install exactly the layer it ends with and the layers that layer declares below it, nothing
+    above, so a README that drifts fails here."""
     for package in PACKAGES:  # a reused venv may still hold them
         session.run("python", "-m", "pip", "uninstall", "-y", "-q", f"gradsync-{package}")
     commands = readme_install_commands()
@@ -312,10 +316,12 @@ def integration(session: nox.Session) -> None:
 def mutations(session: nox.Session) -> None:
     """The mutation check: each behaviour listed in tools/mutations.json is broken on purpose in a copy of
     the packages, and the tests guarding it must fail (tools/mutations.py; arguments go to it: -k NAME,
-    --list, -v)."""
+    --list, -v). Guards that passed in this run's test sessions are not run unmutated again."""
     extras = {extra for p in PACKAGES for extra in TEST_EXTRAS.get(p, ())}
     install_local(session, *PACKAGES, extra=(*TEST_TOOLS, *sorted(extras)))
-    session.run("python", str(ROOT / "tools" / "mutations.py"), *session.posargs)
+    reports = sorted(str(r) for r in REPORTS.glob("tests-*.xml"))
+    passed = ("--passed", *reports) if reports else ()
+    session.run("python", str(ROOT / "tools" / "mutations.py"), *passed, *session.posargs)
 
 
 @nox.session(name="integration-full")

@@ -6,7 +6,8 @@ Each entry names a source file, an exact piece of its text, a replacement that b
 the pytest node ids that guard it. The script copies ``packages/`` to a temporary directory once per job
 (``--jobs`` mutations run at once, 2 by default: most of a run is process start-up), points
 ``PYTHONPATH`` at each copy's sources (so the installed packages, editable or not, are shadowed), checks
-that the copy is what gets imported, runs every guard once unmutated (it must pass), and then for each
+that the copy is what gets imported, runs every guard once unmutated (it must pass; ``--passed`` names
+JUnit reports of this tree's test sessions, whose passing guards need no second run), and then for each
 mutation: replaces the text in the copy (it must occur exactly once, so a stale entry fails loudly),
 runs the guards, and puts the original back. The working tree is never written. A mutation is killed
 when pytest reports failed tests (exit status 1); one whose guards pass survived, and any other status
@@ -36,7 +37,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,11 +207,26 @@ def borrowed(copies: Copies) -> Iterator[tuple[Path, dict[str, str]]]:
         copies.put(copy)
 
 
-def baseline_runs(mutations: list[Mutation], jobs: int) -> list[tuple[str, ...]]:
-    """Every guard once, in pytest runs that ``jobs`` copies can take at once: a run holds one package's
-    tests only (module names repeat across packages), split by test module into about ``jobs`` runs each."""
+def passed_in(reports: Iterable[Path]) -> set[str]:
+    """The node ids (from the repository root) that passed in pytest JUnit reports written with
+    ``junit_family=xunit1`` (which names each test's file) by a package's test run, named
+    ``tests-<package>.xml``; a skipped test did not pass."""
+    passed = set()
+    for report in reports:
+        package = ROOT / "packages" / f"gradsync-{report.stem.removeprefix('tests-')}"
+        for case in ET.parse(report).iter("testcase"):
+            if not any(child.tag in {"failure", "error", "skipped"} for child in case):
+                node = package / case.attrib["file"]
+                passed.add(f"{node.relative_to(ROOT)}::{case.attrib['name']}")
+    return passed
+
+
+def baseline_runs(mutations: list[Mutation], jobs: int, passed: set[str]) -> list[tuple[str, ...]]:
+    """Every guard not in ``passed`` once, in pytest runs that ``jobs`` copies can take at once: a run holds
+    one package's tests only (module names repeat across packages), split by test module into about
+    ``jobs`` runs each."""
     modules: dict[str, dict[str, list[str]]] = {}
-    for guard in dict.fromkeys(g for m in mutations for g in m.guards):
+    for guard in dict.fromkeys(g for m in mutations for g in m.guards if g not in passed):
         module = guard.split("::")[0]
         modules.setdefault(module.split("/tests/")[0], {}).setdefault(module, []).append(guard)
     runs: list[tuple[str, ...]] = []
@@ -231,6 +248,13 @@ def main() -> int:
         "--list", action="store_true", help="list the mutations and their guards, run nothing"
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip running the guards unmutated first")
+    parser.add_argument(
+        "--passed",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="JUnit reports (tests-<package>.xml, xunit1) of this tree: its passing guards skip the baseline",
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
     parser.add_argument("-v", "--verbose", action="store_true", help="show how each guard failed")
     parser.add_argument(
@@ -260,7 +284,8 @@ def main() -> int:
             copies.put((copy, env))
 
         if not args.no_baseline:
-            runs = baseline_runs(mutations, max(1, args.jobs))
+            passed = passed_in(args.passed)
+            runs = baseline_runs(mutations, max(1, args.jobs), passed)
 
             def run_unmutated(guards: tuple[str, ...]) -> tuple[tuple[str, ...], int, str]:
                 with borrowed(copies) as (copy, env):
@@ -272,7 +297,11 @@ def main() -> int:
                         print(f"the guards fail without any mutation (pytest exit {rc}): {guards}\n{tail}")
                         return 1
             count = sum(len(g) for g in runs)
-            print(f"baseline: {count} guards pass unmutated ({time.monotonic() - started:.0f} s)")
+            reused = {g for m in mutations for g in m.guards} & passed
+            print(
+                f"baseline: {count} guards pass unmutated, {len(reused)} more passed in the reports "
+                f"given ({time.monotonic() - started:.0f} s)"
+            )
 
         def run(m: Mutation) -> tuple[Mutation, int, str, float]:
             """Mutate a free copy, run the guards, put the copy back as it was."""

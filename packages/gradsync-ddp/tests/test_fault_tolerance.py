@@ -285,3 +285,33 @@ def test_diloco_refuses_what_a_manager_replaces_by_name() -> None:
         DiLoCo(params, inner, 2, manager=manager, wire_dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"DiLoCo: manager must be a torchft\.Manager, got object"):
         DiLoCo(params, inner, 2, manager=object())
+
+
+ENDS_AT_ONCE = """import sys, time
+replica = int(next(a for a in sys.argv if a.startswith("--replica=")).split("=")[1])
+sys.exit({0: 0, 1: 3}[replica]) if replica in ENDS else time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(
+    ("ends", "wanted"),
+    [
+        ({1}, "replica group 1 ended with 3"),  # a failure, while the others wait for it
+        ({0}, "replica groups 1 still run 1.0 s after the others ended, too few for a quorum"),
+    ],
+    ids=["failed", "stranded"],
+)
+def test_finish_fails_fast_where_groups_left_running_could_only_wait_out_the_quorum_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ends: set[int], wanted: str
+) -> None:
+    from gradsync.groups.testing import replica_groups
+
+    monkeypatch.setattr(replica_groups, "STRANDED_GRACE", 1.0)
+    script = tmp_path / "ends_at_once.py"
+    script.write_text(ENDS_AT_ONCE.replace("ENDS", str(ends)))
+    with ReplicaJob(tmp_path, script, replicas=2, ranks=1, steps=1) as job:
+        for replica in range(2):
+            job.launch(replica)
+        with pytest.raises(AssertionError, match=wanted):
+            job.finish(timeout=60)
+        assert job.procs[1 - min(ends)].poll() is None  # failed while the other still ran

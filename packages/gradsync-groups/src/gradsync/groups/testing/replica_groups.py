@@ -30,6 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# How long groups left too few for a quorum may still run once another group has ended (its last step and
+# final save), where they would otherwise wait out the quorum timeout.
+STRANDED_GRACE = 15.0
 # Quick to notice a death and to form a quorum: a test's steps take milliseconds.
 LIGHTHOUSE_FLAGS = ("--join_timeout_ms", "500", "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "1000")
 
@@ -81,7 +84,8 @@ class ReplicaJob:
         port = free_port()
         self.address = f"http://127.0.0.1:{port}"
         lighthouse = Path(sys.executable).with_name("torchft_lighthouse")
-        quorum = ("--min_replicas", str(min(2, replicas)))
+        self.min_replicas = min(2, replicas)
+        quorum = ("--min_replicas", str(self.min_replicas))
         self.lighthouse = subprocess.Popen(
             [str(lighthouse), *quorum, "--bind", f"127.0.0.1:{port}", *LIGHTHOUSE_FLAGS],
             stdout=subprocess.DEVNULL,
@@ -124,14 +128,31 @@ class ReplicaJob:
         return replica
 
     def finish(self, timeout: float = 240, expect: int = 0) -> None:
-        """Every replica group ends with ``expect`` within ``timeout`` seconds."""
+        """Every replica group ends with ``expect`` within ``timeout`` seconds. The first to end otherwise
+        fails the job at once, with its own log: the others would only wait out torchft's quorum timeout
+        for it, and their timeouts would hide the cause. Groups step in lockstep, so they end within moments
+        of one another; groups left too few for a quorum once others have ended fail after
+        ``STRANDED_GRACE`` seconds, not after the quorum timeout."""
         deadline = time.monotonic() + timeout
-        for replica, proc in self.procs.items():
-            try:
-                code: int | None = proc.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                code = None
-            assert code == expect, f"replica group {replica} ended with {code}\n{self.log(replica)}"
+        running = dict(self.procs)
+        first_end: float | None = None
+        while running:
+            for replica, proc in list(running.items()):
+                code = proc.poll()
+                if code is not None:
+                    assert code == expect, f"replica group {replica} ended with {code}\n{self.log(replica)}"
+                    del running[replica]
+                    first_end = first_end or time.monotonic()
+            late = ", ".join(map(str, running))
+            assert not running or time.monotonic() < deadline, (
+                f"replica groups {late} still run after {timeout} s"
+            )
+            if first_end is not None and 0 < len(running) < self.min_replicas:
+                assert time.monotonic() - first_end < STRANDED_GRACE, (
+                    f"replica groups {late} still run {STRANDED_GRACE} s after the others ended, too few "
+                    "for a quorum\n" + "\n".join(self.log(r) for r in running)
+                )
+            time.sleep(0.05)
 
     def close(self) -> None:
         """Kill whatever of the job is still running (a failed test's groups, the lighthouse)."""
