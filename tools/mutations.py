@@ -210,15 +210,19 @@ def borrowed(copies: Copies) -> Iterator[tuple[Path, dict[str, str]]]:
 def passed_in(reports: Iterable[Path]) -> set[str]:
     """The node ids (from the repository root) that passed in pytest JUnit reports written with
     ``junit_family=xunit1`` (which names each test's file) by a package's test run, named
-    ``tests-<package>.xml``; a skipped test did not pass."""
-    passed = set()
+    ``tests-<package>.xml``; a skipped test did not pass. A parametrized test's own id (a guard may name
+    it whole) is among them when every case of it passed."""
+    cases: dict[str, bool] = {}
+    whole: dict[str, bool] = {}
     for report in reports:
         package = ROOT / "packages" / f"gradsync-{report.stem.removeprefix('tests-')}"
         for case in ET.parse(report).iter("testcase"):
-            if not any(child.tag in {"failure", "error", "skipped"} for child in case):
-                node = package / case.attrib["file"]
-                passed.add(f"{node.relative_to(ROOT)}::{case.attrib['name']}")
-    return passed
+            node = f"{(package / case.attrib['file']).relative_to(ROOT)}::{case.attrib['name']}"
+            passed = not any(child.tag in {"failure", "error", "skipped"} for child in case)
+            cases[node] = passed
+            function = node.split("[", 1)[0]
+            whole[function] = whole.get(function, True) and passed
+    return {node for found in (cases, whole) for node, passed in found.items() if passed}
 
 
 def baseline_runs(mutations: list[Mutation], jobs: int, passed: set[str]) -> list[tuple[str, ...]]:

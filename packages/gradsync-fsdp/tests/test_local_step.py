@@ -74,6 +74,46 @@ def test_an_optimizer_subclass_is_not_adopted() -> None:
     run_distributed(subclass_left_on_dtensors, 2)
 
 
+def model_first_met_in_a_lent_step() -> dict[str, torch.Tensor]:
+    """A hand-built AdamW steps model ``first`` alone once (adopted: it lends the locals from its next
+    step); then ``second``'s params join it as a param group. The optimizer first meets ``second`` inside a
+    lent step, holding its local tensors, and must still attach it: ``second`` keeps its weights gathered
+    between steps (``reshard_after_forward=False``), so only its after-step hook refreshes them."""
+    api = importlib.import_module(GRADSYNC)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(test_device().type, (world,), mesh_dim_names=("dp_shard",))
+    first, second = TinyTransformer(seed=0), TinyTransformer(seed=1)
+    api.fully_shard(first, mesh=mesh)
+    for block in second.blocks:
+        api.fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    api.fully_shard(second, mesh=mesh, reshard_after_forward=False)
+    optimizer = torch.optim.AdamW(first.parameters(), lr=0.01)
+    for step in range(STEPS):
+        (batch,) = local_microbatches(step, rank, world, 1)
+        if step == 1:
+            assert getattr(optimizer, LENDING_ATTR)
+            optimizer.add_param_group({"params": list(second.parameters())})
+        loss = first(batch) + second(batch) if step >= 1 else first(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: uneven_dtensor_to_full_tensor(p).detach().cpu() for n, p in second.named_parameters()}
+
+
+def test_a_model_first_met_inside_a_lent_step_is_attached() -> None:
+    """``second`` against one process training it alone on the global batches of the steps it joined."""
+    got = run_distributed(model_first_met_in_a_lent_step, 2)
+    reference = TinyTransformer(seed=1)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for step in range(1, STEPS):
+        reference(global_batch(step, 2, 1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    want = {n: p.detach().cpu() for n, p in reference.named_parameters()}
+    for weights in got:
+        assert max_relative_difference(weights, want) <= 1e-6
+
+
 def adam_steps(reload_state: bool) -> dict[str, torch.Tensor]:
     """Three steps of Megatron-FSDP's ``fully_shard`` with Adam; ``reload_state``: the optimizer's own
     state dict loaded back after the first (new param-group dicts, the same param lists)."""

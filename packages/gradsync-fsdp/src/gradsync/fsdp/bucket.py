@@ -218,6 +218,11 @@ class FlatParamBucket:
         """Rows ``[first, last)`` of item ``index`` whose optimizer state this rank owns."""
         return self.ranges.owned_rows(index)
 
+    def first_row(self, index: int) -> int | None:
+        """The global row this rank's shard of item ``index`` starts at where the main weights are sharded
+        (else None): DCP and the optimizer state's description place the shard by it."""
+        return self.owned_rows(index)[0] if self.sharding.shard_main else None
+
     def local_view(self, tensor: torch.Tensor, base: int, index: int) -> torch.Tensor:
         """Item ``index``'s locally owned rows of ``tensor`` (whose first element is coordinate ``base``)."""
         start, end = self.local_span(index)

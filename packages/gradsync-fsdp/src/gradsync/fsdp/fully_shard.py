@@ -140,7 +140,11 @@ def _config_fields(keywords: dict[str, Any]) -> dict[str, Any]:
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Make ``optimizer.step()`` finish the grad sync first (unless auto-sync already did) and install
     the updated weights after, and ``optimizer.zero_grad()`` also zero the grad buffers. The state is
-    materialised and its state dict described for ``torch.distributed.checkpoint``. In place."""
+    materialised and its state dict described for ``torch.distributed.checkpoint``. In place.
+
+    Megatron-FSDP's own ``fully_shard_optimizer`` replaces both methods, and their keyword-only flags
+    (``sync_grad_before_optimizer_step``, ``install_optimized_model_weights``, ``zero_grad_buffer``) are
+    its API, so they are replaced here too, not hooked."""
     model = _model_of(optimizer)
     setattr(optimizer, LENDING_ATTR, True)  # its steps lend the locals below: not to be adopted
     materialize_optimizer_state(optimizer)  # a step with zero grads and lr 0: not a training step

@@ -26,7 +26,9 @@ param way.
 ``fully_shard_optimizer`` lends them around every step. An optimizer built by hand on the DTensor params
 (the fsdp2 API's users build torch's own, as with torch's ``fully_shard``) is adopted at its first step
 (:mod:`gradsync.fsdp.optimizer_hooks`): its later steps are wrapped the same way, for torch's element-wise
-optimizers only (a matrix optimizer on the locals would see shards for whole matrices).
+optimizers only (a matrix optimizer on the locals would see shards for whole matrices). Wrapped, not
+hooked: the DTensors must go back even when the step raises, and torch skips an optimizer's post-step
+hooks then, which would leave it holding the locals.
 """
 
 from __future__ import annotations

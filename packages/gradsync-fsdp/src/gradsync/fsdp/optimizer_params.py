@@ -93,8 +93,9 @@ def build_optimizer_params(
         else:
             dtensor = as_dtensor(local, mesh, raw.shape, placements)
         param = nn.Parameter(dtensor, requires_grad=raw.requires_grad)
-        if bucket.sharding.shard_main:
-            describe_shard(param, bucket.owned_rows(index)[0])
+        first_row = bucket.first_row(index)
+        if first_row is not None:
+            describe_shard(param, first_row)
         for name in CARRIED_ATTRIBUTES:
             if hasattr(raw, name):
                 setattr(param, name, getattr(raw, name))

@@ -43,7 +43,7 @@ class ShardedParam:
     @property
     def first_row(self) -> int | None:
         """The global row this rank's shard starts at, where the main weights are sharded (else None)."""
-        return self.bucket.owned_rows(self.index)[0] if self.bucket.sharding.shard_main else None
+        return self.bucket.first_row(self.index)
 
     @property
     def swapped_for_a_copy(self) -> bool:
