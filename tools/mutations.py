@@ -148,7 +148,11 @@ def run_pytest_in(copy: Path, env: dict[str, str], nodes: tuple[str, ...], log: 
         raise SystemExit(f"the warm server imported {stray}: the run would not test the copy")
     # the server imported pytest's plugins (hypothesis) before pytest could mark them for rewriting
     quiet = ("-W", "ignore::pytest.PytestAssertRewriteWarning")
-    sys.exit(int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", *quiet, *nodes])))
+    code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", *quiet, *nodes]))
+    harness = sys.modules.get("gradsync.groups.testing")
+    if harness is not None:  # this process ends through os._exit, skipping atexit: close the rank pools
+        harness.shutdown_pools()  # (each removes its directory of rendezvous and stack files)
+    sys.exit(code)
 
 
 def run_guards(
