@@ -156,9 +156,9 @@ def gather_before_held_back_reductions(gather_lane: bool) -> dict[str, object]:
     rank = dist.get_rank()
     (gathered,) = unit_buckets(model, 0)
     reduced = [b for b in model.buckets if b is not gathered]
-    for bucket in reduced:
-        for index, param in enumerate(bucket.spec.params):
-            bucket.accumulate(index, torch.full_like(param, rank + 1.0))
+    for record in model.params:
+        if record.bucket is not gathered:
+            record.grad_target().add_(torch.full_like(record.compute, rank + 1.0))
 
     def reduce() -> list[Launched]:
         return [b.launch_reduce(GradReduction(1.0, average_in_collective=False)) for b in reduced]

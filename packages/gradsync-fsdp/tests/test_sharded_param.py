@@ -1,6 +1,7 @@
 """The per-param record (:mod:`gradsync.fsdp.sharded_param`): one record per param of the wrapped module,
 in its order, reached from either of its tensors; each holds the tensors the wrapper trains with, and a
-second wrapper in the same world builds records of its own without touching the first's. A param's state
+second wrapper in the same world builds records of its own without touching the first's. The grads it
+hands out are its own views, built once. A param's state
 survives its wrapper's process groups being destroyed: a checkpoint taken through the records (ranks that
 own nothing of a param included) loads into a model wrapped over new groups, which trains on exactly as
 the first one did."""
@@ -64,6 +65,10 @@ def records_across_two_wrappers(strategy: str) -> list[float]:
         model.finish_grad_sync()
         for record in model.params:
             assert (record.sharded.grad is None) == record.frozen_at_wrap, record.name
+            assert record.sharded.grad is record.optimizer_grad  # built at wrap, not every step
+            if strategy == "no_shard" and not record.frozen_at_wrap:  # Megatron's code reads main_grad
+                assert record.compute.main_grad is record.main_grad
+                assert record.main_grad.untyped_storage().data_ptr() == record.bucket.grad.data_ptr()
         losses.append(float(loss))
     return losses
 

@@ -24,7 +24,7 @@ from .communication_unit import communication_unit_size, prefetch_size
 from .cycle import Cycle
 from .hsdp import OuterReplication, optimizer_placements
 from .meta_init import MetaReplacement
-from .optimizer_params import OptimizerView
+from .optimizer_params import build_optimizer_params
 from .registration import ParamRegistry
 from .schedule import GatherSchedule, ReduceSchedule
 from .sharded_param import ShardedParams
@@ -82,8 +82,9 @@ def assemble(
     shard_dim = dist_index.dp_shard_dim or ""
     dims = (dist_index.dp_outer_dim, shard_dim) if dist_index.dp_outer_dim else (shard_dim,)
     placements = optimizer_placements(sharding, outer)
-    optimizer = OptimizerView(buckets.buckets, dist_index.get_submesh(dims), placements)
-    params = ShardedParams(module, named, buckets.buckets, optimizer.params)
+    mesh = dist_index.get_submesh(dims)
+    optimizer_params = [build_optimizer_params(bucket, mesh, placements) for bucket in buckets.buckets]
+    params = ShardedParams(module, named, buckets.buckets, optimizer_params)
     for record in params:
         setattr(record.sharded, MEGATRON_OWNER, owner)
     # the local tensors too: an optimizer that lends them for its steps may first meet the model in one
@@ -134,7 +135,7 @@ def assemble(
     )  # fmt: skip
     all_dp = outer.hybrid_group if outer is not None else dist_index.get_fsdp_group()
     ballot = StepBallot([all_dp], "MegatronFSDP", config.check_abandoned_steps)
-    step = StepControl(buckets, hooks, optimizer, params, all_dp, ballot, grad_norms, calls.sync_grads)
+    step = StepControl(buckets, hooks, params, all_dp, ballot, grad_norms, calls.sync_grads)
     hooks.register(params)
     registry.show_optimizer()
     return Parts(params, steps, weights, hooks, step, unit_size)

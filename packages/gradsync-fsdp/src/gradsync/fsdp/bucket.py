@@ -175,17 +175,12 @@ class FlatParamBucket:
             self.allocators.grads, bucket_id, self.layout, self.comm_dtype, device
         )
         self.non_finite_params: list[str] = []  # report_nan_in_param_grad: this rank's, in this cycle
-        self.grad_items: list[torch.Tensor] = []  # no_shard / ZeRO-1: each param's view of self.grad
         self._zeroing = GradZeroing()
         if spec.requires_grad:
             lo, hi = self.ranges.grad
             self.grad = grad_storage
             if self.grad is None:
                 self.grad = torch.zeros(hi - lo, dtype=self.grad_dtype, device=device)
-            if not sharding.shard_grads:
-                self.grad_items = item_views(self.grad, self.layout.items)
-                for param, view in zip(spec.params, self.grad_items, strict=True):
-                    param.main_grad = view  # type: ignore[attr-defined]
         self.reducer = GradReducer(self)
         self.comm_hook: RegisteredHook | None = None  # MegatronFSDP.register_comm_hook's
         self.hook_index = 0  # this bucket's index as the hook sees it
@@ -328,11 +323,6 @@ class FlatParamBucket:
         self.weight_gather.outer_stale = False
 
     # --- grads (reductions: :class:`GradReducer`) ---------------------------------------------------
-    def accumulate(self, index: int, grad: torch.Tensor) -> None:
-        """Add one param's grad from this backward into the bucket."""
-        target = self.unreduced.item(index) if self.sharding.shard_grads else self.grad_items[index]
-        target.add_(grad)
-
     def unreduced_grads(self) -> torch.Tensor:
         """This backward's whole-bucket grads: the temporary buffer (ZeRO-2/3) or the grad buffer."""
         assert self.grad is not None

@@ -75,19 +75,10 @@ class GradReducer:
         scale = reduction.factor * (1 if reduction.average else bucket.group.size())
         if scale != 1.0:
             wire.mul_(scale)
-        hooked = HookBucket(wire, bucket.spec.params, self._grad_views(wire), bucket.hook_index)
+        views = item_views(wire, bucket.layout.items)  # each param's grads, as the hook sees them
+        hooked = HookBucket(wire, bucket.spec.params, views, bucket.hook_index)
         work = bucket.comm_hook.launch(hooked)
         return Launched([work]).record("all_reduce", f"{bucket.label}.hook", wire, bucket.group)
-
-    def _grad_views(self, wire: torch.Tensor) -> list[torch.Tensor]:
-        """Each param's view of the whole-bucket ``wire``: the views the grad hooks add into where ``wire``
-        is their buffer (kept across steps), else built for this cast copy."""
-        bucket = self.bucket
-        if bucket.sharding.shard_grads:
-            return [bucket.unreduced.item(index) for index in range(len(bucket.layout.items))]
-        if wire is bucket.grad:
-            return bucket.grad_items
-        return item_views(wire, bucket.layout.items)
 
     def finish(self, wire: torch.Tensor) -> None:
         """Land the reduced ``wire`` (the bucket's grads on the wire) in the grad buffer."""

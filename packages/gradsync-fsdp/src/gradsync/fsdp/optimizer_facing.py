@@ -123,11 +123,11 @@ class OptimizerFacing(nn.Module):
 
     def attach_grad_to_optimizer_state(self) -> None:
         """Give the optimizer's params their reduced grads."""
-        self._step.optimizer.attach_grads()
+        self.params.attach_grads()
 
     def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
         """Multiply every grad by ``scaling_factor``: the buffers, and attached grads that are copies."""
-        self._step.optimizer.scale_grads(scaling_factor)
+        self.params.scale_grads(scaling_factor)
 
     @property
     def step_left_broken(self) -> bool:

@@ -24,7 +24,6 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from gradsync.buffers.checkpointing import contiguous_stride
 from gradsync.buffers.shard_alignment import SHARD_ALIGNMENT_ATTR
-from gradsync.buffers.torch_internals import local_tensor
 
 from .bucket import FlatParamBucket
 from .dcp import describe_shard
@@ -103,71 +102,24 @@ def build_optimizer_params(
     return params
 
 
-class OptimizerGrads:
-    """A bucket's optimizer params' grads, built once: the grad buffer is allocated at construction and
-    only ever zeroed, so each grad DTensor (with its spec) is built over it once, not every step.
-
-    A grad views the param's reduced rows of the buffer when the dtypes match, else a cast buffer of the
-    param's dtype that :meth:`attach` refreshes; it is empty where this rank owns no rows (every rank
-    holds a grad, as FSDP2's shards do, so torch's ops over all grads, ``clip_grad_norm_``, issue the same
-    collectives everywhere); None for params that take no grad."""
-
-    def __init__(self, bucket: FlatParamBucket, params: list[nn.Parameter]) -> None:
-        self.grads: list[DTensor | None] = []
-        self._casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (reduced rows, cast buffer)
-        for index, param in enumerate(params):
-            local = bucket.grad_view(index)
-            if local is None or not param.requires_grad:
-                self.grads.append(None)
-                continue
-            if local.dtype != param.dtype:
-                cast = torch.empty_like(local, dtype=param.dtype)
-                self._casts.append((local, cast))
-                local = cast
-            if isinstance(param, RaggedDTensor):
-                self.grads.append(param.like(local))
-            else:
-                assert isinstance(param, DTensor)  # a Parameter over a DTensor
-                self.grads.append(as_dtensor(local, param.device_mesh, param.shape, param.placements))
-
-    def attach(self, params: list[nn.Parameter]) -> None:
-        """Give each param its grad, the cast ones refreshed from the reduced rows."""
-        for reduced, cast in self._casts:
-            cast.copy_(reduced)
-        for param, grad in zip(params, self.grads, strict=True):
-            param.grad = grad
-
-
-class OptimizerView:
-    """The optimizer's params of every bucket, built once, and their grads."""
-
-    def __init__(
-        self, buckets: Sequence[FlatParamBucket], mesh: DeviceMesh, placements: Sequence[Placement]
-    ) -> None:
-        self.params = [build_optimizer_params(bucket, mesh, placements) for bucket in buckets]
-        self._buckets = list(buckets)
-        self._grads = [OptimizerGrads(b, params) for b, params in zip(buckets, self.params, strict=True)]
-
-    def attach_grads(self) -> None:
-        """Give the optimizer's params their reduced grads."""
-        for bucket, grads, params in zip(self._buckets, self._grads, self.params, strict=True):
-            if bucket.spec.requires_grad:
-                grads.attach(params)
-
-    def drop_grads(self) -> None:
-        for params in self.params:
-            for param in params:
-                param.grad = None
-
-    def scale_grads(self, factor: float | torch.Tensor) -> None:
-        """Multiply every grad by ``factor``: the buffers, and attached grads that are copies of them."""
-        buffers = set()
-        for bucket in self._buckets:
-            if bucket.grad is not None:
-                bucket.grad.mul_(factor)
-                buffers.add(bucket.grad.untyped_storage().data_ptr())
-        for params in self.params:
-            for param in params:
-                local = local_tensor(param.grad)
-                if local is not None and local.untyped_storage().data_ptr() not in buffers:
-                    local.mul_(factor)
+def optimizer_grad(
+    bucket: FlatParamBucket, index: int, param: nn.Parameter
+) -> tuple[DTensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The grad of ``param``, item ``index``'s optimizer param, built once: the grad buffer is allocated at
+    construction and only ever zeroed, so the DTensor (with its spec) is built over it once, not every
+    step. It views the param's reduced rows of the buffer when the dtypes match, else a cast buffer of the
+    param's dtype, returned with those rows (``(reduced rows, cast buffer)``) to be refreshed before each
+    step. It is empty where this rank owns no rows (every rank holds a grad, as FSDP2's shards do, so
+    torch's ops over all grads, ``clip_grad_norm_``, issue the same collectives everywhere); None for
+    params that take no grad."""
+    local = bucket.grad_view(index)
+    if local is None or not param.requires_grad:
+        return None, None
+    cast = None
+    if local.dtype != param.dtype:
+        cast = (local, torch.empty_like(local, dtype=param.dtype))
+        local = cast[1]
+    if isinstance(param, RaggedDTensor):
+        return param.like(local), cast
+    assert isinstance(param, DTensor)  # a Parameter over a DTensor
+    return as_dtensor(local, param.device_mesh, param.shape, param.placements), cast

@@ -27,6 +27,7 @@ from .bucket import BucketStatus, FlatParamBucket, GradReduction
 from .coalesce import ReductionGroup
 from .hsdp import OuterReplication
 from .labels import labelled
+from .sharded_param import ShardedParam
 from .step_tracking import StepMarks
 from .strategy import Sharding
 
@@ -125,16 +126,18 @@ class ReduceSchedule:
         self.steps = steps
 
     # --- grads arriving ------------------------------------------------------------------------------
-    def add_grad(self, bucket: FlatParamBucket, index: int, grad: torch.Tensor) -> None:
-        """Accumulate item ``index``'s grad of this backward; reduce the bucket once it is complete."""
+    def add_grad(self, record: ShardedParam, grad: torch.Tensor) -> None:
+        """Accumulate ``record``'s grad of this backward; reduce its bucket once it is complete."""
         self._refuse_after_step()
-        if bucket.bucket_id in self._reduced_this_cycle:
-            self._reopen(self.group_of[bucket.bucket_id])
-        if not bucket.can_take_grads():
+        bucket = record.bucket
+        bucket_id = bucket.bucket_id
+        if bucket_id in self._reduced_this_cycle:
+            self._reopen(self.group_of[bucket_id])
+        if record.main_grad is None and not bucket.can_take_grads():  # a borrowed buffer (ZeRO-2/3)
             self.wait_until(bucket.can_take_grads)
         # a grad with history (create_graph=True) would record the buffer into the graph: add its data
-        bucket.accumulate(index, grad.detach() if grad.requires_grad else grad)
-        if self._ready[bucket.bucket_id].arrive(index):
+        record.grad_target().add_(grad.detach() if grad.requires_grad else grad)
+        if self._ready[bucket_id].arrive(record.index):
             self._complete(bucket)
 
     def end_backward(self) -> None:

@@ -5,6 +5,10 @@ A param lives as two tensors. The compute param is the module's own, a view of i
 main weights. Lookups from either tensor go through one map to the record, so no other place keeps a
 per-param map that could drift from it, and nothing gradsync reads is stamped on the params (Megatron's
 ``_megatron_fsdp_model`` is written for Megatron's code alone).
+
+The record also holds every view of the param's grads, each built once: the one a backward's grad is
+added into, and the optimizer param's grad DTensor over the reduced rows. A grad hook then does one add
+into a view it already has, and a step attaches grads that already exist.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from torch import nn
 from gradsync.buffers.torch_internals import local_tensor
 
 from .bucket import FlatParamBucket
+from .flat_views import item_view
+from .optimizer_params import optimizer_grad
 
 
 @dataclass(eq=False)
@@ -27,7 +33,11 @@ class ShardedParam:
     buffers: a conversion of the module that swaps the param for a copy leaves another one there),
     whether it was frozen when wrapped (it then has no grad buffer or hook, so an optimizer step that
     finds it trainable is refused), and the module slots that hold it (``(module, attribute)``: a tied
-    param has several)."""
+    param has several).
+
+    Its grads: ``main_grad``, its view of the bucket's persistent grads where the backward adds into them
+    (no_shard, ZeRO-1; None under ZeRO-2/3, which add into borrowed whole-bucket grads, and when frozen),
+    and ``optimizer_grad``, the sharded param's grad (see :func:`optimizer_grad`)."""
 
     name: str
     compute: nn.Parameter
@@ -39,6 +49,33 @@ class ShardedParam:
 
     def __post_init__(self) -> None:
         self.local = local_tensor(self.sharded)
+        bucket, item = self.bucket, self.bucket.layout.items[self.index]
+        self._span = (0, item.offset, item.end, item.shape)  # its coordinates in a whole-bucket buffer
+        self.main_grad: torch.Tensor | None = None
+        if bucket.grad is not None and not bucket.sharding.shard_grads:
+            self.main_grad = item_view(bucket.grad, *self._span)
+            self.compute.main_grad = self.main_grad  # type: ignore[attr-defined]
+        self._unreduced: torch.Tensor | None = None  # ZeRO-2/3: its view of the borrowed buffer ...
+        self._unreduced_of: torch.Tensor | None = None  # ... that this is
+        self.optimizer_grad, self._cast = optimizer_grad(bucket, self.index, self.sharded)
+
+    def grad_target(self) -> torch.Tensor:
+        """Where this backward's grad is added: ``main_grad``, else (ZeRO-2/3) the param's view of the
+        bucket's borrowed whole-bucket grads. That view is kept while the allocator lends the same tensor
+        (the default storage-resize one does, every backward), so a later backward adds into it again."""
+        if self.main_grad is not None:
+            return self.main_grad
+        buffer = self.bucket.unreduced.buffer()
+        if buffer is not self._unreduced_of:
+            self._unreduced_of, self._unreduced = buffer, item_view(buffer, *self._span)
+        assert self._unreduced is not None
+        return self._unreduced
+
+    def attach_grad(self) -> None:
+        """Give the sharded param its reduced grad (a cast copy refreshed from the reduced rows first)."""
+        if self._cast is not None:
+            self._cast[1].copy_(self._cast[0])
+        self.sharded.grad = self.optimizer_grad
 
     @property
     def first_row(self) -> int | None:
@@ -80,6 +117,8 @@ class ShardedParams:
             for leaf, param in owner._parameters.items():
                 if param is not None and param in self._of:
                     self._of[param].slots.append((owner, leaf))
+        self.buckets = list(buckets)
+        self._with_grads = [r for r in self.records if r.bucket.spec.requires_grad]
 
     def __iter__(self) -> Iterator[ShardedParam]:
         return iter(self.records)
@@ -100,6 +139,27 @@ class ShardedParams:
     def alias(self, tensor: torch.Tensor, known: torch.Tensor) -> None:
         """Let ``tensor`` (a meta param the caller still holds) stand for ``known``'s record."""
         self._of[tensor] = self._of[known]
+
+    def attach_grads(self) -> None:
+        """Give the optimizer's params their reduced grads (those of frozen buckets keep theirs)."""
+        for record in self._with_grads:
+            record.attach_grad()
+
+    def drop_grads(self) -> None:
+        for record in self.records:
+            record.sharded.grad = None
+
+    def scale_grads(self, factor: float | torch.Tensor) -> None:
+        """Multiply every grad by ``factor``: the grad buffers, and attached grads that are copies of them."""
+        in_buffers = set()
+        for bucket in self.buckets:
+            if bucket.grad is not None:
+                bucket.grad.mul_(factor)
+                in_buffers.add(bucket.grad.untyped_storage().data_ptr())
+        for record in self.records:
+            grad = local_tensor(record.sharded.grad)
+            if grad is not None and grad.untyped_storage().data_ptr() not in in_buffers:
+                grad.mul_(factor)
 
     def frozen_at_wrap(self) -> list[tuple[str, nn.Parameter]]:
         """Both tensors of every param frozen when wrapped: the module shows either one."""

@@ -22,7 +22,6 @@ from gradsync.buffers.wrapper_claims import refuse_unfrozen
 
 from .bucket_set import BucketSet
 from .cycle import Cycle
-from .optimizer_params import OptimizerView
 from .registration import ParamRegistry
 from .schedule import ReduceSchedule
 from .sharded_param import ShardedParams
@@ -37,14 +36,13 @@ class StepControl:
         self,
         buckets: BucketSet,
         hooks: TrainingHooks,
-        optimizer: OptimizerView,
         params: ShardedParams,
         all_dp_group: dist.ProcessGroup,
         ballot: StepBallot,
         grad_norms: LocalGradNorms | None,
         sync_grads: Callable[[], None],
     ) -> None:
-        self.buckets, self.hooks, self.optimizer = buckets, hooks, optimizer
+        self.buckets, self.hooks, self.params = buckets, hooks, params
         self.cycle: Cycle = hooks.cycle
         self.reductions: ReduceSchedule = hooks.reductions
         self.registry: ParamRegistry = hooks.registry
@@ -65,7 +63,7 @@ class StepControl:
         self.sync_grads()
         self.refuse_non_finite_grads()
         counted()
-        self.optimizer.attach_grads()
+        self.params.attach_grads()
         cycle.microbatch_count = 0
         cycle.grads_finished = True
         cycle.grads_pending = False
@@ -111,7 +109,7 @@ class StepControl:
             bucket.note_zeroed()
         if self.grad_norms is not None:
             self.grad_norms.reset()
-        self.optimizer.drop_grads()
+        self.params.drop_grads()
         cycle.grads_finished = False
         cycle.grads_pending = cycle.backward_ran = self.ballot.abandoned = False
         self.ballot.others_abandoned = False

@@ -22,7 +22,6 @@ from torch.utils.hooks import RemovableHandle
 
 from gradsync.groups.torch_internals import queue_backward_end_callback
 
-from .bucket import FlatParamBucket
 from .bucket_set import BucketSet
 from .cycle import Cycle
 from .hooks import (
@@ -82,12 +81,14 @@ class TrainingHooks:
                 with_kwargs=True,
             )
             unit.register_forward_hook(outside_compile(functools.partial(self.unit_post_forward, unit_id)))
+        self.records = params.records
         grad_hooks = [
             record.compute.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                # not the record: it reaches the wrapper, which a kept param's hook must not hold
-                weak_method(self, "on_grad", record.name, record.bucket, record.index)
+                # its position, not the record: that reaches the wrapper, which a kept param's hook
+                # must not hold
+                weak_method(self, "on_grad", position)
             )
-            for record in params
+            for position, record in enumerate(params.records)
             if record.compute.requires_grad
         ]
         weakref.finalize(self, _detach_from_params, grad_hooks, [record.compute for record in params])
@@ -186,14 +187,16 @@ class TrainingHooks:
         for bucket in self.buckets.of_unit[unit_id]:
             bucket.release()
 
-    def on_grad(self, name: str, bucket: FlatParamBucket, index: int, param: torch.Tensor) -> None:
-        """``param``'s grad of this backward is complete: move it into its bucket (item ``index``)."""
+    def on_grad(self, position: int, param: torch.Tensor) -> None:
+        """``param``'s grad of this backward is complete: move it into its bucket (``param`` is the
+        compute param of record ``position``)."""
         grad = param.grad
         if grad is None:
             return
+        record = self.records[position]
         if self.report_nan_in_param_grad and not bool(torch.isfinite(grad).all()):
-            bucket.non_finite_params.append(name)
-        self.reductions.add_grad(bucket, index, grad)
+            record.bucket.non_finite_params.append(record.name)
+        self.reductions.add_grad(record, grad)
         param.grad = None
 
     @labelled("root_post_backward")
