@@ -158,7 +158,7 @@ def gather_before_held_back_reductions(gather_lane: bool) -> dict[str, object]:
     reduced = [b for b in model.buckets if b is not gathered]
     for record in model.params:
         if record.bucket is not gathered:
-            record.grad_target().add_(torch.full_like(record.compute, rank + 1.0))
+            record.unreduced_grad().add_(torch.full_like(record.compute, rank + 1.0))
 
     def reduce() -> list[Launched]:
         return [b.launch_reduce(GradReduction(1.0, average_in_collective=False)) for b in reduced]

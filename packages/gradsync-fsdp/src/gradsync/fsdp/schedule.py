@@ -133,10 +133,13 @@ class ReduceSchedule:
         bucket_id = bucket.bucket_id
         if bucket_id in self._reduced_this_cycle:
             self._reopen(self.group_of[bucket_id])
-        if record.main_grad is None and not bucket.can_take_grads():  # a borrowed buffer (ZeRO-2/3)
-            self.wait_until(bucket.can_take_grads)
+        target = record.main_grad
+        if target is None:  # ZeRO-2/3: the bucket's borrowed whole-bucket grads
+            if not bucket.can_take_grads():
+                self.wait_until(bucket.can_take_grads)
+            target = record.unreduced_grad()
         # a grad with history (create_graph=True) would record the buffer into the graph: add its data
-        record.grad_target().add_(grad.detach() if grad.requires_grad else grad)
+        target.add_(grad.detach() if grad.requires_grad else grad)
         if self._ready[bucket_id].arrive(record.index):
             self._complete(bucket)
 

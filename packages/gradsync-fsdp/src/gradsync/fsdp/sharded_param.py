@@ -59,12 +59,11 @@ class ShardedParam:
         self._unreduced_of: torch.Tensor | None = None  # ... that this is
         self.optimizer_grad, self._cast = optimizer_grad(bucket, self.index, self.sharded)
 
-    def grad_target(self) -> torch.Tensor:
-        """Where this backward's grad is added: ``main_grad``, else (ZeRO-2/3) the param's view of the
-        bucket's borrowed whole-bucket grads. That view is kept while the allocator lends the same tensor
-        (the default storage-resize one does, every backward), so a later backward adds into it again."""
-        if self.main_grad is not None:
-            return self.main_grad
+    def unreduced_grad(self) -> torch.Tensor:
+        """ZeRO-2/3: where this backward's grad is added, the param's view of the bucket's borrowed
+        whole-bucket grads (no_shard and ZeRO-1 add into ``main_grad``). The view is kept while the
+        allocator lends the same tensor (the default storage-resize one does, every backward), so a later
+        backward adds into it again."""
         buffer = self.bucket.unreduced.buffer()
         if buffer is not self._unreduced_of:
             self._unreduced_of, self._unreduced = buffer, item_view(buffer, *self._span)

@@ -1,7 +1,7 @@
 """ZeRO-2/3's whole-bucket grads of one backward: borrowed from the grads allocator when the first grad
 arrives, handed back once their reduce-scatter has landed in the shard, so a bucket holds whole-bucket
 grads only while its reduction is pending. Each param's record keeps its view of them
-(:meth:`~gradsync.fsdp.sharded_param.ShardedParam.grad_target`)."""
+(:meth:`~gradsync.fsdp.sharded_param.ShardedParam.unreduced_grad`)."""
 
 from __future__ import annotations
 

@@ -70,8 +70,8 @@ class _Root:
         device and the step has no host sync, as MegatronFSDP's. Only grads still set (zeroed in place
         by ``zero_grad(set_to_none=False)``, or never zeroed) have their values checked, with one host
         read. Whether grads are set is the same on every rank: each rank holds a grad for every trained
-        param, an empty one where it owns no rows (``OptimizerGrads``), so every rank takes the same
-        branch and posts the same collectives."""
+        param, an empty one where it owns no rows (the record's ``optimizer_grad``), so every rank takes
+        the same branch and posts the same collectives."""
         if not self.fsdp.steps.grads_consumed:
             if self.fsdp.step_left_broken:  # the last step raised (here or elsewhere): settle it now
                 self.fsdp.zero_grad_buffer()
