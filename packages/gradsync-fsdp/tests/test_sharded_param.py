@@ -68,7 +68,8 @@ def records_across_two_wrappers(strategy: str) -> list[float]:
             assert record.sharded.grad is record.optimizer_grad  # built at wrap, not every step
             if strategy == "no_shard" and not record.frozen_at_wrap:  # Megatron's code reads main_grad
                 assert record.compute.main_grad is record.main_grad
-                assert record.main_grad.untyped_storage().data_ptr() == record.bucket.grad.data_ptr()
+                buffer = record.bucket.grad.untyped_storage()  # (a slice of a coalesced group's, maybe)
+                assert record.main_grad.untyped_storage().data_ptr() == buffer.data_ptr()
         losses.append(float(loss))
     return losses
 
