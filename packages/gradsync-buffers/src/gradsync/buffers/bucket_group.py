@@ -155,11 +155,28 @@ class ParamAndGradBucketGroup:
             return
         if param not in self.params:
             raise ValueError(f"Param is not in the bucket group: {getattr(param, 'shape', param)}")
+        if self.grad_reduce_dispatched and not self.is_first_batch:
+            self._refuse_late_grad(param)
         complete = self.grad_arrivals.arrive(param)
         if self.is_first_batch:
             self.readied_at = next(self.grad_clock)
         elif complete:
             self.start_grad_sync(force_all_reduce)
+
+    def _refuse_late_grad(self, param: Parameter) -> None:
+        """A grad after this group's reduction launched: it landed in a buffer already on the wire, so it
+        would be lost or counted on one rank only. The first iteration's counts decide when a group is
+        complete; a module run through more backwards than then (a chunked loss with more chunks) ends
+        here instead of dropping the extra grads."""
+        name = self.param_names[param]
+        raise RuntimeError(
+            f"param {name} got a grad after its bucket group's reduction was launched: "
+            f"{self.per_param_grad_ready_counts.get(param, 0) + 1} grads in this iteration against "
+            f"{self.golden_per_param_grad_ready_counts.get(param, 0)} in the first, whose counts every later "
+            "iteration waits for. A module must run through the same number of backwards every iteration "
+            "(a chunked loss: the same number of chunks); otherwise set overlap_grad_reduce=False, which "
+            "reduces once, at finish_grad_sync()"
+        )
 
     # --- gradient reduction ----------------------------------------------------------------------
 
@@ -239,7 +256,13 @@ class ParamAndGradBucketGroup:
         if self.is_first_batch and not self.grad_reduce_dispatched:
             self.start_grad_sync(force_all_reduce)
         if not self.grad_reduce_dispatched:
-            none_missing = "(none; their counts differ from the first iteration's)"
+            counts, golden = self.per_param_grad_ready_counts, self.golden_per_param_grad_ready_counts
+            short = [
+                f"{self.param_names[p]} ({counts.get(p, 0)} of {n})"
+                for p, n in golden.items()
+                if counts.get(p, 0) < n
+            ]
+            none_missing = f"(none; fewer grads than in the first iteration: {', '.join(sorted(short))})"
             raise RuntimeError(
                 f"Communication call has not been issued for this bucket "
                 f"({len(self.per_param_grad_ready_counts)}/{len(self.params)} params have grad available). "

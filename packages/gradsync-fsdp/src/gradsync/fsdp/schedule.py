@@ -7,8 +7,10 @@ launches its reduction when the last one lands (or defers it to the end of the c
 ``optim`` reduce once per cycle), reduces buckets grouped by :mod:`gradsync.fsdp.coalesce` in one
 collective, bounds the reductions in flight, chains HSDP's outer stage to the inner one
 (:func:`~gradsync.buffers.collectives.chain`), and reopens a bucket reduced earlier in the cycle when
-more grads arrive (accumulation without ``no_sync()``). The wrapper decides *what* happens in
-its hooks; these two decide *when* it communicates.
+more grads arrive (accumulation without ``no_sync()``). A bucket whose grads arrive again after its
+reduction launched in the same backward (a module run through several backwards before the root's, as a
+chunked loss runs its output head) is reduced again at the backward's end, so every backward's grads
+count. The wrapper decides *what* happens in its hooks; these two decide *when* it communicates.
 """
 
 from __future__ import annotations
@@ -123,6 +125,8 @@ class ReduceSchedule:
         self._next_launch = 0
         self._launchable: set[int] = set()
         self._staged: set[int] = set()  # popped in launch order, their group's other buckets not yet
+        self._launched: set[int] = set()  # reduced in this backward (its grads left the bucket)
+        self._relaunch: set[int] = set()  # grads arrived after the launch: reduced again at the end
         self.steps = steps
 
     # --- grads arriving ------------------------------------------------------------------------------
@@ -131,6 +135,9 @@ class ReduceSchedule:
         self._refuse_after_step()
         bucket = record.bucket
         bucket_id = bucket.bucket_id
+        if bucket_id in self._launched and bucket_id not in self._relaunch:
+            self._relaunch.update(self.group_of[bucket_id].bucket_ids)
+            self.wait_all()  # the launched reduction must land before its buffer takes new grads
         if bucket_id in self._reduced_this_cycle:
             self._reopen(self.group_of[bucket_id])
         target = record.main_grad
@@ -146,7 +153,10 @@ class ReduceSchedule:
     def end_backward(self) -> None:
         """Every grad bucket not completed by its grads (a param got no grad on this rank) completes now,
         in bucket order so every rank posts the same collectives (a bucket reduced earlier in the cycle
-        is reopened too: another rank may have grads for it); then every reduction is waited."""
+        is reopened too: another rank may have grads for it). Then the groups that got grads after their
+        reduction launched in this backward are reduced again, in bucket order: every rank runs the same
+        backwards through a module (as torch FSDP2 requires), so every rank relaunches the same groups.
+        Then every reduction is waited."""
         self._refuse_after_step()  # before any collective, on every rank (those with grads raised already)
         for bucket in self.buckets:
             if not bucket.spec.requires_grad or bucket.bucket_id in self._completed:
@@ -154,7 +164,14 @@ class ReduceSchedule:
             if bucket.bucket_id in self._reduced_this_cycle:
                 self._reopen(self.group_of[bucket.bucket_id])
             self._complete(bucket)
+        relaunch, self._relaunch = self._relaunch, set()
+        for group in self.groups:
+            if relaunch.intersection(group.bucket_ids):
+                for bucket_id in group.bucket_ids:
+                    self._ready[bucket_id].restart()  # a partial arrival counts in the relaunch
+                self.launch(group)
         self._completed.clear()
+        self._launched.clear()
         self._next_launch = 0
         self.wait_all()
 
@@ -179,6 +196,8 @@ class ReduceSchedule:
     def _complete(self, bucket: FlatParamBucket) -> None:
         self._ready[bucket.bucket_id].restart()
         self._completed.add(bucket.bucket_id)
+        if bucket.bucket_id in self._relaunch:
+            return  # reduced again at the end of the backward
         if self.sharding.shard_grads or (self.overlap and self.cycle_ends()):
             self._launchable.add(bucket.bucket_id)
             while self._next_launch < len(self._launch_order):
@@ -191,6 +210,7 @@ class ReduceSchedule:
                 group = self.group_of[bucket_id]
                 if self._staged.issuperset(group.bucket_ids):  # its last bucket in launch order
                     self._staged.difference_update(group.bucket_ids)
+                    self._launched.update(group.bucket_ids)
                     self.launch(group)
         else:
             self._pending.add(bucket.bucket_id)
@@ -262,6 +282,8 @@ class ReduceSchedule:
         self._outer_pending.clear()
         self._launchable.clear()
         self._staged.clear()
+        self._launched.clear()
+        self._relaunch.clear()
         self._next_launch = 0
         self.steps.grads_consumed = False
 
