@@ -119,6 +119,7 @@ def typecheck(session: nox.Session) -> None:
         "integration/toygpt",
         "integration/train.py",
         "integration/parity.py",
+        "integration/exit_teardown.py",
         "benchmarks",
         "tools",
         "examples",

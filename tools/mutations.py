@@ -3,8 +3,9 @@
 the behaviour is broken.
 
 Each entry names a source file, an exact piece of its text, a replacement that breaks the behaviour, and
-the pytest node ids that guard it. The script copies ``packages/`` to a temporary directory once per job
-(``--jobs`` mutations run at once, 2 by default: most of a run is process start-up), points
+the pytest node ids that guard it. The script copies ``packages/`` and ``integration/`` (whose tests may
+guard too) to a temporary directory once per job (``--jobs`` mutations run at once, 2 by default: most of
+a run is process start-up), points
 ``PYTHONPATH`` at each copy's sources (so the installed packages, editable or not, are shadowed), checks
 that the copy is what gets imported, runs every guard once unmutated (it must pass; ``--passed`` names
 JUnit reports of this tree's test sessions, whose passing guards need no second run), and then for each
@@ -285,7 +286,8 @@ def main() -> int:
         copies: Copies = queue.SimpleQueue()
         for index in range(max(1, args.jobs)):
             copy = Path(tmp) / str(index)
-            shutil.copytree(ROOT / "packages", copy / "packages", ignore=IGNORED)
+            for tree in ("packages", "integration"):  # guards live in both
+                shutil.copytree(ROOT / tree, copy / tree, ignore=IGNORED)
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join(p for p in (src_path(copy), env.get("PYTHONPATH", "")) if p)
             check_imports_from(copy, env)

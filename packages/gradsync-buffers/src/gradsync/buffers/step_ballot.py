@@ -23,13 +23,14 @@ size per step, posted before the reductions are waited for and counted after the
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
-from gradsync.groups import guard_group_teardown
+from gradsync.groups import guard_group_teardown, release_at_exit
 from gradsync.groups.torch_internals import default_group
 
 from .collectives import Launched
@@ -37,16 +38,21 @@ from .collectives import Launched
 BALLOT_DESC = "gradsync_step_ballot"
 """``group_desc`` of the vote groups, as torch's logs and traces show it."""
 
-_VOTE_GROUPS: dict[tuple[int, ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
-"""Global ranks -> (the world's default group when the vote group was built, the vote group): one per set
-of ranks, shared by every data-parallel group over them (torch names a group built with local
-synchronization after its ranks alone, so a second one over the same ranks cannot be built), never handed
-out to another world."""
+_VOTE_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, ...], dist.ProcessGroup]] = (
+    weakref.WeakKeyDictionary()
+)
+"""The world's default group -> global ranks -> the vote group: one per set of ranks, shared by every
+data-parallel group over them (torch names a group built with local synchronization after its ranks alone,
+so a second one over the same ranks cannot be built), never handed out to another world. Held by the world
+weakly: after ``destroy_process_group`` the world's group and its vote groups are freed with the last
+wrapper, while the interpreter is alive (a gloo group alive at interpreter exit can abort the process: see
+:mod:`gradsync.groups.teardown`), and dropped at exit."""
+release_at_exit(_VOTE_GROUPS.clear)
 
 
 def is_vote_group(group: object) -> bool:
     """Whether ``group`` carries the votes (a test that counts the data collectives leaves them out)."""
-    return any(votes is group for _, votes in _VOTE_GROUPS.values())
+    return any(votes is group for by_ranks in _VOTE_GROUPS.values() for votes in by_ranks.values())
 
 
 BACKWARD_RAISED = (
@@ -95,10 +101,11 @@ class AbandonedStepError(RuntimeError):
 
 def _vote_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A gloo group over ``group``'s ranks; only those ranks build it (``use_local_synchronization``)."""
-    world, ranks = default_group(), tuple(dist.get_process_group_ranks(group))
-    cached = _VOTE_GROUPS.get(ranks)
-    if cached is not None and cached[0] is world:
-        return cached[1]
+    by_ranks = _VOTE_GROUPS.setdefault(default_group(), {})
+    ranks = tuple(dist.get_process_group_ranks(group))
+    cached = by_ranks.get(ranks)
+    if cached is not None:
+        return cached
     votes: dist.ProcessGroup = dist.new_group(
         list(ranks),
         backend="gloo",
@@ -106,7 +113,7 @@ def _vote_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
         group_desc=BALLOT_DESC,
     )
     guard_group_teardown(votes)
-    _VOTE_GROUPS[ranks] = (world, votes)
+    by_ranks[ranks] = votes
     return votes
 
 

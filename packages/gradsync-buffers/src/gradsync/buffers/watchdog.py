@@ -29,6 +29,7 @@ paused, and the clocks of waits in progress restart when the pause ends.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
@@ -360,11 +361,15 @@ def start_hang_watchdog(
     side = dist.new_group(backend="gloo", timeout=timeout)
     guard_group_teardown(side)
     _switch.watchdog = HangWatchdog(threshold_s, sources, side, stream_ordered)
+    # a heartbeat thread inside a gloo collective when the interpreter finalizes aborts the process
+    # (gradsync.groups.teardown): a watchdog left running is stopped, its thread joined, before that
+    atexit.register(stop_hang_watchdog)
     return _switch.watchdog
 
 
 def stop_hang_watchdog() -> None:
     """Stop the heartbeats on every rank (a collective) and go back to plain blocking waits."""
     watchdog, _switch.watchdog = _switch.watchdog, None
+    atexit.unregister(stop_hang_watchdog)
     if watchdog is not None:
         watchdog.stop()

@@ -24,18 +24,21 @@ import weakref
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from gradsync.groups import FSDPDistributedIndex, guard_group_teardown
+from gradsync.groups import FSDPDistributedIndex, guard_group_teardown, release_at_exit
 from gradsync.groups.torch_internals import default_group
 
 LANE_DESC = "gradsync_fsdp_gather_lane"
 """``group_desc`` of the lanes gradsync builds (it also tells them apart in the hang watchdog)."""
 
-_LANES: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[dist.ProcessGroup, dist.ProcessGroup]] = (
-    weakref.WeakKeyDictionary()
-)
-"""Shard group -> (the world's default group when the lane was built, the lane): one lane per shard group
-however many models are wrapped. A lane from another world (``destroy_process_group`` and a new
-``init_process_group``, as test suites, notebooks and elastic restarts do) is never handed out."""
+_LANES: weakref.WeakKeyDictionary[
+    dist.ProcessGroup, tuple[weakref.ref[dist.ProcessGroup], dist.ProcessGroup]
+] = weakref.WeakKeyDictionary()
+"""Shard group -> (the world's default group when the lane was built, held weakly, the lane): one lane per
+shard group however many models are wrapped. A lane from another world (``destroy_process_group`` and a new
+``init_process_group``, as test suites, notebooks and elastic restarts do) is never handed out. The world
+is held weakly so that ``destroy_process_group`` frees it (and joins its gloo threads) while the
+interpreter is alive: see :mod:`gradsync.groups.teardown`. Dropped at exit."""
+release_at_exit(_LANES.clear)
 
 
 def gather_group(dist_index: FSDPDistributedIndex, enabled: bool) -> dist.ProcessGroup:
@@ -50,11 +53,11 @@ def gather_group(dist_index: FSDPDistributedIndex, enabled: bool) -> dist.Proces
         return given
     world = default_group()
     cached = _LANES.get(shard)
-    if cached is not None and cached[0] is world:
+    if cached is not None and cached[0]() is world:
         return cached[1]
     assert dist_index.dp_shard_dim is not None  # the index refuses to exist without one
     lane = _build_lane(dist_index.device_mesh, dist_index.dp_shard_dim, shard)
-    _LANES[shard] = (world, lane)
+    _LANES[shard] = (weakref.ref(world), lane)
     return lane
 
 

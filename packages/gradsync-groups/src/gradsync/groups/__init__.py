@@ -27,7 +27,7 @@ from .layout import (
     hierarchical_rank_groups,
 )
 from .model_config import ModelParallelConfig, ModelParallelConfigProtocol
-from .teardown import guard_group_teardown
+from .teardown import guard_group_teardown, release_at_exit
 from .version import __version__
 
 __all__ = [
@@ -54,4 +54,5 @@ __all__ = [
     "guard_group_teardown",
     "hierarchical_rank_groups",
     "initialize_model_parallel",
+    "release_at_exit",
 ]

@@ -14,13 +14,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .backend import get_backend_capabilities
-from .teardown import guard_group_teardown
+from .teardown import guard_group_teardown, release_at_exit
 from .torch_internals import default_group, flatten_mesh
 
 MeshKey = tuple[tuple[str, ...], bool]
 
 _WORLD_MESHES: dict[tuple[str, int, int, int], tuple[object, DeviceMesh, dist.ProcessGroup | None]] = {}
-"""(device type, sizes) -> (the default group it was built over, the mesh, its flattened HSDP group)."""
+"""(device type, sizes) -> (the default group it was built over, the mesh, its flattened HSDP group).
+Dropped at exit (:func:`~gradsync.groups.teardown.release_groups_at_exit`)."""
+release_at_exit(_WORLD_MESHES.clear)
 
 
 def _world_mesh(
