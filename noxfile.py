@@ -1,4 +1,7 @@
-"""Every check gradsync runs, as nox sessions. `nox` with no arguments runs the whole suite (CI does).
+"""Every check gradsync runs, as nox sessions. `nox` with no arguments runs the quick set a contributor
+runs before a change (lint, layers, types, every package's tests and the integration suite, on the pinned
+torch only); `nox -t ci` runs the whole suite, as CI does: that set plus the build and doc check, the
+compat torches (three CUDA builds of about 4.6 GB each on a fresh machine) and the mutation check.
 
 Each session builds its own venv with torch pinned through constraints.txt, so what passes here passes on
 a fresh machine that has only Python and pip.
@@ -24,11 +27,22 @@ ROOT = Path(__file__).parent
 NO_COMPILE = "--no-compile"
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 CONSTRAINTS = (NO_COMPILE, "-c", str(ROOT / "constraints.txt"))
-TEST_TOOLS = ("pytest", "pytest-timeout", "hypothesis", "numpy")
-# Optional extras a package's own tests exercise (their fault-tolerance tests run on torchft); the compat
-# sessions go without them (torchft needs torch 2.7 or later), and those tests skip there.
+TEST_TOOLS = ("pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "numpy")
+# Optional extras some tests exercise: the fault-tolerance tests run on torchft. They kill and restart
+# replica groups for about four minutes in all, so only the `faults` session (CI's) installs torchft; the
+# test sessions and the compat sessions (torchft needs torch 2.7 or later) go without, and they skip there.
 TEST_EXTRAS = {"ddp": ("torchft",), "fsdp": ("torchft",)}
+FAULT_TESTS = {  # tests directory -> the files that need torchft
+    ROOT / "packages" / "gradsync-ddp" / "tests": ("test_fault_tolerance.py",),
+    ROOT / "packages" / "gradsync-fsdp" / "tests": ("test_fault_tolerance.py",),
+    ROOT / "integration": ("test_train_ft.py",),
+}
 SLOWEST = "--durations=10"  # every test session names its slowest tests, so a slow CI run shows where it went
+# The ranks of a multi-rank test sit idle in rendezvous and start-up much of the time, so two test files run
+# at once (one pytest worker each; a file stays on one worker, which keeps its rank pools and cached
+# references). The watchdog and fault tests time real waits against thresholds: they run alone, after.
+PARALLEL = ("-n", "2", "--dist", "loadfile")
+SERIAL = ("test_watchdog*.py", "test_fault_tolerance*.py", "test_train_ft.py", "test_torchrun.py")
 # Each package's test session reports its results here (JUnit, one file per package), for this run's
 # mutations session: guards that passed there need no second unmutated run (about 3 minutes of the suite).
 REPORTS = Path(tempfile.mkdtemp(prefix="gradsync-nox-reports-"))
@@ -54,15 +68,16 @@ FLOOR_TORCH = "2.6"
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
+# `nox`: the quick set, on the pinned torch, nothing downloaded beyond the test tools. `nox -t ci` (what
+# .ci/run runs): every session tagged "ci", in the order defined here (mutations last: it reuses the test
+# sessions' results).
+CI = "ci"
 nox.options.sessions = [
     "lint",
     "layers",
     "typecheck",
     *(f"tests-{p}" for p in PACKAGES),
-    *(f"compat-{label}" for label in COMPAT_TORCH),
-    "build",
     "integration",
-    "mutations",
 ]
 
 
@@ -86,12 +101,28 @@ def install_local(session: nox.Session, *names: str, extra: tuple[str, ...] = ()
     session.install(*CONSTRAINTS, *(pkg_dir(n) for n in sorted(needed)), *extra)
 
 
+def run_tests(session: nox.Session, tests: Path, report: str | None) -> None:
+    """pytest over ``tests``: the files outside ``SERIAL`` two at a time, then those alone. ``report``: the
+    JUnit reports' name (``<report>.xml`` and ``<report>.serial.xml``, for the mutation check). Arguments
+    after ``--`` go to both runs; a run they leave with nothing to collect passes (exit status 5)."""
+    serial = sorted({str(path) for pattern in SERIAL for path in tests.glob(pattern)})
+    runs = (("", PARALLEL, [str(tests), *(f"--ignore={path}" for path in serial)]), (".serial", (), serial))
+    for label, selection, targets in runs:
+        if not targets:
+            continue
+        junit = (
+            ()
+            if report is None
+            else ("-o", "junit_family=xunit1", f"--junitxml={REPORTS / report}{label}.xml")
+        )
+        session.run("pytest", SLOWEST, *selection, *junit, *targets, *session.posargs, success_codes=[0, 5])
+
+
 def make_tests_session(name: str) -> None:
-    @nox.session(name=f"tests-{name}")
+    @nox.session(name=f"tests-{name}", tags=[CI])
     def tests(session: nox.Session) -> None:
-        install_local(session, name, extra=(*TEST_TOOLS, *TEST_EXTRAS.get(name, ())))
-        report = ("-o", "junit_family=xunit1", f"--junitxml={REPORTS / f'tests-{name}.xml'}")
-        session.run("pytest", SLOWEST, *report, pkg_dir(name), *session.posargs)
+        install_local(session, name, extra=TEST_TOOLS)
+        run_tests(session, Path(pkg_dir(name)) / "tests", f"tests-{name}")
 
     tests.__doc__ = f"pytest on gradsync-{name} in a venv holding only it and its dependencies."
 
@@ -100,7 +131,7 @@ for _name in PACKAGES:
     make_tests_session(_name)
 
 
-@nox.session
+@nox.session(tags=[CI])
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
     session.install(*CONSTRAINTS, "ruff")
@@ -108,7 +139,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session
+@nox.session(tags=[CI])
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over every package's sources, the integration model and script, and the benchmarks
     (config in mypy.ini)."""
@@ -133,7 +164,7 @@ def src_path(root: Path) -> str:
     return ":".join(str(root / "packages" / f"gradsync-{p}" / "src") for p in PACKAGES)
 
 
-@nox.session
+@nox.session(tags=[CI])
 def layers(session: nox.Session) -> None:
     """The import-linter layers contract, and proof that it catches upward and sibling imports."""
     session.install(*CONSTRAINTS, "import-linter")
@@ -166,7 +197,7 @@ def layers(session: nox.Session) -> None:
             session.log(f"contract rejects `{line.strip()}` in gradsync.{package}, as it should")
 
 
-@nox.session
+@nox.session(tags=[CI])
 def build(session: nox.Session) -> None:
     """Every wheel builds; then the doc check (tools/doccheck.py, and its test that plants wrong names):
     every name, session, flag and link in the READMEs and docs/ exists, and every figure carries its
@@ -270,7 +301,7 @@ COMPAT_TESTS = {
 
 
 def make_compat_session(label: str, version: str) -> None:
-    @nox.session(name=f"compat-{label}", reuse_venv=True)
+    @nox.session(name=f"compat-{label}", reuse_venv=True, tags=[CI])
     def compat(session: nox.Session) -> None:
         # the machine's pip configuration may cap torch below the newest release: installs here ignore it
         env = {"PIP_CONFIG_FILE": os.devnull}
@@ -290,9 +321,14 @@ def make_compat_session(label: str, version: str) -> None:
             "-c",
             f"import torch; assert torch.__version__.startswith('{version}'), torch.__version__",
         )
+        # another torch deprecates other names: gradsync's use of them warns there instead of failing
+        keep = ("-W", "default::DeprecationWarning:gradsync", "-W", "default::FutureWarning:gradsync")
         for name, files in COMPAT_TESTS.items():
             tests = [str(ROOT / "packages" / f"gradsync-{name}" / "tests" / f) for f in files]
-            session.run("pytest", SLOWEST, "-p", "no:cacheprovider", *tests, *session.posargs)
+            session.run(
+                "pytest", SLOWEST, *PARALLEL, *keep, "-p", "no:cacheprovider", *tests, *session.posargs,
+                env={"GRADSYNC_TEST_DEPRECATIONS": "default"},
+            )  # fmt: skip
 
     compat.__doc__ = (
         f"Every package's compat subset (COMPAT_TESTS) on torch {version} from the registry, in a reused venv"
@@ -304,16 +340,32 @@ for _label, _version in COMPAT_TORCH.items():
     make_compat_session(_label, _version)
 
 
-@nox.session
+@nox.session(tags=[CI])
 def integration(session: nox.Session) -> None:
     """The integration suite: every strategy on the CI layouts vs a single-process run, plus torchrun
     launches (report, bit-exact resume, a killed rank), the main job under torchft with a replica group
-    killed, and the examples (quick start B's needs transformers)."""
-    install_local(session, *PACKAGES, extra=(*TEST_TOOLS, "transformers", *TEST_EXTRAS["ddp"]))
-    session.run("pytest", SLOWEST, str(ROOT / "integration"), *session.posargs)
+    killed (in the `faults` session), and the examples (quick start B's needs transformers)."""
+    install_local(session, *PACKAGES, extra=(*TEST_TOOLS, "transformers"))
+    run_tests(session, ROOT / "integration", None)
 
 
-@nox.session
+@nox.session(tags=[CI])
+def faults(session: nox.Session) -> None:
+    """The fault-tolerance tests on torchft (FAULT_TESTS): replica groups SIGKILLed mid-step, healed from a
+    peer, checked against a one-process replay; the main job with a group killed. One at a time: they time
+    real restarts."""
+    extras = {extra for p in PACKAGES for extra in TEST_EXTRAS.get(p, ())}
+    install_local(session, *PACKAGES, extra=(*TEST_TOOLS, *sorted(extras)))
+    for tests, files in FAULT_TESTS.items():
+        package = tests.parent.name.removeprefix("gradsync-")
+        junit = ("-o", "junit_family=xunit1", f"--junitxml={REPORTS / f'tests-{package}.faults.xml'}")
+        session.run(
+            "pytest", SLOWEST, *(junit if tests.name == "tests" else ()), *(str(tests / f) for f in files),
+            *session.posargs, success_codes=[0, 5],
+        )  # fmt: skip
+
+
+@nox.session(tags=[CI])
 def mutations(session: nox.Session) -> None:
     """The mutation check: each behaviour listed in tools/mutations.json is broken on purpose in a copy of
     the packages, and the tests guarding it must fail (tools/mutations.py; arguments go to it: -k NAME,

@@ -214,13 +214,13 @@ def borrowed(copies: Copies) -> Iterator[tuple[Path, dict[str, str]]]:
 
 def passed_in(reports: Iterable[Path]) -> set[str]:
     """The node ids (from the repository root) that passed in pytest JUnit reports written with
-    ``junit_family=xunit1`` (which names each test's file) by a package's test run, named
-    ``tests-<package>.xml``; a skipped test did not pass. A parametrized test's own id (a guard may name
-    it whole) is among them when every case of it passed."""
+    ``junit_family=xunit1`` (which names each test's file) by a package's test runs, named
+    ``tests-<package>.xml`` and ``tests-<package>.serial.xml``; a skipped test did not pass. A parametrized
+    test's own id (a guard may name it whole) is among them when every case of it passed."""
     cases: dict[str, bool] = {}
     whole: dict[str, bool] = {}
     for report in reports:
-        package = ROOT / "packages" / f"gradsync-{report.stem.removeprefix('tests-')}"
+        package = ROOT / "packages" / f"gradsync-{report.stem.removeprefix('tests-').split('.')[0]}"
         for case in ET.parse(report).iter("testcase"):
             node = f"{(package / case.attrib['file']).relative_to(ROOT)}::{case.attrib['name']}"
             passed = not any(child.tag in {"failure", "error", "skipped"} for child in case)

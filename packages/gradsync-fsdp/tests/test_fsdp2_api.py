@@ -132,6 +132,56 @@ def both_apis(*args: Any, **gradsync_only: Any) -> tuple[dict[str, torch.Tensor]
     return ours, built, theirs
 
 
+def summed_loop(api_name: str, reshard: bool, on_root: bool) -> dict[str, torch.Tensor]:
+    """torchtitan's loss scaling: the divide factor 1 on the FSDP modules (torchtitan sets it on every
+    one; ``on_root`` False leaves the root's own params averaged) and the local mean loss divided by the
+    ranks, so that the summed grads are the global batch's mean. Returns the whole weights."""
+    api = importlib.import_module(api_name)
+    mesh = dp_mesh((dist.get_world_size(),))
+    model = TinyTransformer()
+    for block in model.blocks:
+        api.fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    api.fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    for module in model.modules():
+        if isinstance(module, api.FSDPModule) and (on_root or module is not model):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # torch's needs it on gloo (no PREMUL_SUM)
+    optimizer = make_optimizer(model.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(STEPS):
+        batches = local_microbatches(step, rank, world, MICRO)
+        for i, batch in enumerate(batches):
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+            (model(batch) / (MICRO * world)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return whole_weights(model)
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["zero3", "zero2"])
+def test_divide_factor_one_sums_as_torchtitan_scales_the_loss(reshard: bool) -> None:
+    """Every module summing, the loss over the global batch: one process's weights (and torch's)."""
+    results = run_distributed(summed_loop, 2, args=(GRADSYNC, reshard, True))
+    for rank, weights in enumerate(results):
+        assert max_relative_difference(weights, cached_reference(2, MICRO, STEPS)) <= 1e-6, rank
+
+
+def summed_by_both(reshard: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """:func:`summed_loop` with the blocks alone summing, by gradsync and by torch, on the same ranks."""
+    return summed_loop(GRADSYNC, reshard, False), summed_loop(TORCH, reshard, False)
+
+
+@needs_torch_fsdp2
+@pytest.mark.parametrize("reshard", [True, False], ids=["zero3", "zero2"])
+def test_divide_factor_on_some_modules_matches_torch(reshard: bool) -> None:
+    """The blocks summing and the root's own params averaged (ZeRO-2 coalesces buckets of both kinds
+    into one reduction): the same weights as torch's fully_shard given the same calls."""
+
+    for rank, (ours, theirs) in enumerate(run_distributed(summed_by_both, 2, args=(reshard,))):
+        assert max_relative_difference(ours, theirs) <= 1e-6, rank
+        assert max_relative_difference(ours, cached_reference(2, MICRO, STEPS)) > 1e-3, rank  # not averaged
+
+
 def chunked_shards(world: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Each rank's local shards after the loop: gradsync with ``shard_alignment="chunk"`` and torch."""
     _, ours = torchtitan_loop(GRADSYNC, (world,), (True, True), shard_alignment="chunk")
@@ -509,8 +559,8 @@ REFUSALS: dict[str, tuple[Any, str]] = {  # what to do, and the message's fragme
         "set_modules_to_forward_prefetch() is not supported by gradsync … suggested_AG_prefetch_size",
     ),
     "divide factor": (
-        lambda m: refuse_on_built(m, "set_gradient_divide_factor", 2.0),
-        "set_gradient_divide_factor() is not supported … scale the loss instead",
+        lambda m: refuse_on_built(m, "set_gradient_divide_factor", 0.0),
+        "set_gradient_divide_factor(0.0): the factor divides the ranks' summed grads and must be positive",
     ),
     "keep after backward": (
         lambda m: refuse_on_built(m, "set_reshard_after_backward", False),

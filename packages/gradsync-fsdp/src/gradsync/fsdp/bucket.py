@@ -21,7 +21,7 @@ The bucket holds that state and decides when each step happens; one collaborator
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -74,6 +74,16 @@ class GradReduction:
     def __init__(self, factor: float, average_in_collective: bool) -> None:
         self.factor = factor
         self.average = average_in_collective
+
+    def factor_for(self, bucket: FlatParamBucket) -> float:
+        """What ``bucket``'s grads are pre-multiplied by: its own divide factor's inverse where one is set
+        (FSDP2's ``set_gradient_divide_factor``; the collective then sums), else the root's factor."""
+        return self.factor if bucket.divide_factor is None else 1.0 / bucket.divide_factor
+
+    def common_factor(self, buckets: Sequence[FlatParamBucket]) -> float | None:
+        """The factor every bucket of a coalesced reduction shares, or None where they differ."""
+        factors = {self.factor_for(bucket) for bucket in buckets}
+        return factors.pop() if len(factors) == 1 else None
 
 
 @dataclass
@@ -182,6 +192,9 @@ class FlatParamBucket:
             if self.grad is None:
                 self.grad = torch.zeros(hi - lo, dtype=self.grad_dtype, device=device)
         self.reducer = GradReducer(self)
+        # FSDP2's set_gradient_divide_factor: the reduced grads are the ranks' sum divided by this (None:
+        # the root's scaling, an average over the data-parallel ranks)
+        self.divide_factor: float | None = None
         self.comm_hook: RegisteredHook | None = None  # MegatronFSDP.register_comm_hook's
         self.hook_index = 0  # this bucket's index as the hook sees it
         self.status = BucketStatus.READY_TO_USE

@@ -189,8 +189,7 @@ class ReductionGroup:
         flat = self.grads
         assert flat is not None
         wire = flat if first.comm_dtype == first.grad_dtype else flat.to(first.comm_dtype)
-        if reduction.factor != 1.0:
-            wire.mul_(reduction.factor)
+        self._scale(reduction, wire, torch.split(wire, [b.layout.size for b in self.buckets]))
         launched, sent = reduce_bucket(
             wire, first.group, first.grad_comm, self.label, scatter=False, average=reduction.average,
             cuts=None, label=self.label,
@@ -203,12 +202,29 @@ class ReductionGroup:
             bucket.record("all_reduce", piece, bucket.group, sent * piece.numel() // wire.numel())
         return launched
 
+    def _scale(
+        self, reduction: GradReduction, wire: torch.Tensor | None, pieces: Sequence[torch.Tensor]
+    ) -> None:
+        """Pre-multiply the grads by their factor: the whole ``wire`` at once where the buckets share one,
+        else each bucket's piece by its own (a divide factor set on some units only)."""
+        common = reduction.common_factor(self.buckets)
+        if common is not None and wire is not None:
+            if common != 1.0:
+                wire.mul_(common)
+            return
+        for bucket, piece in zip(self.buckets, pieces, strict=True):
+            factor = reduction.factor_for(bucket)
+            if factor != 1.0:
+                piece.mul_(factor)
+
     def _reduce_scatter(self, reduction: GradReduction) -> Launched:
         """One reduce-scatter of a rank-major wire: this rank's part holds its shard of every bucket."""
         first = self.buckets[0]
         group = first.group
         world, rank, part = group.size(), group.rank(), self.part
         grads = [b.unreduced_grads() for b in self.buckets]
+        if reduction.common_factor(self.buckets) is None:  # divide factors differ: each bucket its own,
+            self._scale(reduction, None, grads)  # before the wire interleaves them
         pieces: list[torch.Tensor] = []
         for r in range(world):
             pieces += self._rank_pieces(grads, r)
@@ -217,8 +233,9 @@ class ReductionGroup:
         wire = torch.cat(pieces)
         if wire.dtype != first.comm_dtype:
             wire = wire.to(first.comm_dtype)
-        if reduction.factor != 1.0:
-            wire.mul_(reduction.factor)
+        common = reduction.common_factor(self.buckets)
+        if common is not None and common != 1.0:
+            wire.mul_(common)
         launched, sent = reduce_bucket(
             wire, group, first.grad_comm, self.label, scatter=True, average=reduction.average, cuts=None,
             label=self.label,

@@ -55,8 +55,9 @@ class GradReducer:
             launched = self._launch_hook(wire, reduction)
             bucket.record("all_reduce", wire, bucket.group)
         else:
-            if reduction.factor != 1.0:
-                wire.mul_(reduction.factor)
+            factor = reduction.factor_for(bucket)
+            if factor != 1.0:
+                wire.mul_(factor)
             scatter = bucket.sharding.shard_main
             launched, sent = reduce_bucket(
                 wire, bucket.group, bucket.grad_comm, bucket.bucket_id, scatter=scatter,
@@ -72,7 +73,7 @@ class GradReducer:
         their shard of the all-reduced bucket."""
         bucket = self.bucket
         assert bucket.comm_hook is not None
-        scale = reduction.factor * (1 if reduction.average else bucket.group.size())
+        scale = reduction.factor_for(bucket) * (1 if reduction.average else bucket.group.size())
         if scale != 1.0:
             wire.mul_(scale)
         views = item_views(wire, bucket.layout.items)  # each param's grads, as the hook sees them

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .torch_internals import funcol
+from .torch_internals import all_gather_single, funcol, reduce_scatter_single
 
 
 class RaggedShard(Shard):
@@ -122,7 +122,7 @@ class RaggedShard(Shard):
         if pad:
             local_tensor = torch.cat([local_tensor, _zeros_along(local_tensor, self.dim, pad)], self.dim)
         gathered = _wait(
-            funcol.all_gather_tensor(local_tensor.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim))
+            all_gather_single(local_tensor.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim))
         )
         pieces = [gathered.narrow(self.dim, index * widest, size) for index, size in enumerate(self.sizes)]
         return torch.cat(pieces, self.dim)
@@ -135,7 +135,7 @@ class RaggedShard(Shard):
             return tensor
         pieces, pads = self._split_tensor(tensor, mesh.size(mesh_dim), with_padding=True, contiguous=True)
         reduced = _wait(
-            funcol.reduce_scatter_tensor(
+            reduce_scatter_single(
                 torch.cat(pieces, self.dim), reduce_op, scatter_dim=self.dim, group=(mesh, mesh_dim)
             )
         )

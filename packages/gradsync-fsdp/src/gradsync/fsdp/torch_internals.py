@@ -26,6 +26,12 @@ try:  # a spec's shard order: checked on 2.11; 2.6 has none
 except ImportError:  # pragma: no cover - depends on the installed torch
     HAS_SHARD_ORDER = False
 
+# The functional gathers and reduce-scatters under their current names (``*_single``, checked on 2.13); a
+# torch without them (2.6) has only the ``*_tensor`` names, which newer ones keep as aliases that warn at
+# every call.
+all_gather_single: Any = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
+reduce_scatter_single: Any = getattr(funcol, "reduce_scatter_single", funcol.reduce_scatter_tensor)
+
 __all__ = [
     "HAS_SHARD_ORDER",
     "SUBCLASS_DISPATCH",
@@ -34,10 +40,12 @@ __all__ = [
     "ShardOrderEntry",
     "TensorMeta",
     "_StridedShard",
+    "all_gather_single",
     "detach_for_saving",
     "flatten_mesh",
     "funcol",
     "pytree",
+    "reduce_scatter_single",
     "require_shard_order",
     "spec_shard_order",
     "version_counter",

@@ -4,6 +4,7 @@ the others raise, naming the way out."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -148,6 +149,34 @@ class FSDPModule(nn.Module):
         some ranks never mismatch the collectives."""
         self._fsdp2_root()
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """This module's own grads (not its submodules', as torch's) become the data-parallel ranks' sum
+        divided by ``factor`` instead of their mean: 1.0 sums them, as torchtitan sets on every module
+        when it scales the loss by the global token count. The grads are multiplied by ``1 / factor``
+        before the collective, which sums (torch's PreMulSum; gloo's too, which has no average), and an
+        HSDP outer stage sums as well."""
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not math.isfinite(factor):
+            raise ValueError(
+                f"{type(self).__name__}.set_gradient_divide_factor: factor must be a finite number"
+            )
+        if factor <= 0:
+            raise ValueError(
+                f"{type(self).__name__}.set_gradient_divide_factor({factor}): the factor divides the ranks' "
+                "summed grads and must be positive"
+            )
+        _, buckets = self._own_buckets()
+        for bucket in buckets:
+            bucket.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """torch's older name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted either way: gradsync's grad collectives already sum, with the scaling applied before
+        them, so no reduction needs an averaging or pre-multiplying collective (what torch's flag avoids)."""
+        self._fsdp2_root()
+
     # --- gathers and releases ---------------------------------------------------------------------
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Per unit under ZeRO-3 (released after forward or kept until its backward); the root's own
@@ -223,17 +252,8 @@ class FSDPModule(nn.Module):
         "set_reduce_scatter_max_input_buffers",
         "ZeRO-2/3's reductions in flight are bounded by megatron_fsdp_of(model).suggested_RS_queue_capacity",
     )
-    set_force_sum_reduction_for_comms = _not_supported("set_force_sum_reduction_for_comms", _COMMS)
     set_all_reduce_hook = _not_supported(
         "set_all_reduce_hook", "gradsync runs HSDP's outer all-reduce itself (outer_dp_sharding_strategy)"
-    )
-    set_gradient_divide_factor = _not_supported(
-        "set_gradient_divide_factor",
-        "grads are averaged over the data-parallel ranks; scale the loss instead",
-    )
-    set_reduce_scatter_divide_factor = _not_supported(
-        "set_reduce_scatter_divide_factor",
-        "grads are averaged over the data-parallel ranks; scale the loss instead",
     )
     set_unshard_in_backward = _not_supported(
         "set_unshard_in_backward", "a ZeRO-3 unit is gathered for its backward whenever it was released"
