@@ -41,6 +41,9 @@ from .torch_internals import backends_of, drop_dtensor_mesh_caches
 __all__ = ["guard_group_teardown", "release_at_exit", "release_groups_at_exit"]
 
 _RELEASERS: list[Callable[[], None]] = [drop_dtensor_mesh_caches]  # torch's own caches of meshes
+_BUILT: list[
+    bool
+] = []  # holds True once gradsync built a group in this process: else exit has nothing of ours
 
 _GROUP_DESTRUCTOR_HOLDS_GIL = torch.torch_version.TorchVersion(torch.__version__) < "2.8"
 
@@ -51,7 +54,10 @@ def _release(*backends: object) -> None:
 
 def guard_group_teardown(group: dist.ProcessGroup | None) -> None:
     """Make dropping ``group`` safe on torch < 2.8 (see the module docstring); a no-op elsewhere, and for
-    ``None`` or a rank's non-member placeholder."""
+    ``None`` or a rank's non-member placeholder. Every group gradsync builds comes here, which also arms
+    :func:`release_groups_at_exit`."""
+    if not _BUILT:
+        _BUILT.append(True)
     if _GROUP_DESTRUCTOR_HOLDS_GIL and isinstance(group, dist.ProcessGroup):
         # A weakref callback runs after the object's C++ holder is freed, so the group's destructor has
         # already dropped its own references to the backends when these go.
@@ -65,12 +71,12 @@ def release_at_exit(release: Callable[[], None]) -> None:
 
 def release_groups_at_exit() -> None:
     """Run at interpreter exit, while the interpreter is still whole: once the program has destroyed the
-    default group (its clean end), drop the groups gradsync's caches hold and collect reference cycles,
-    so every group nothing else holds is destroyed and its gloo workers joined now (see the module
-    docstring). With the default group alive (a crash, or no ``destroy_process_group``), exit goes as
-    without gradsync: destroying a group waits for its pending collectives, which a crashed peer may never
-    finish."""
-    if not dist.is_available() or dist.is_initialized():
+    default group (its clean end) in a process where gradsync built groups, drop the groups gradsync's
+    caches hold and collect reference cycles, so every group nothing else holds is destroyed and its gloo
+    workers joined now (see the module docstring). With the default group alive (a crash, or no
+    ``destroy_process_group``), exit goes as without gradsync: destroying a group waits for its pending
+    collectives, which a crashed peer may never finish."""
+    if not _BUILT or not dist.is_available() or dist.is_initialized():
         return
     for release in _RELEASERS:
         release()

@@ -81,12 +81,12 @@ def worker_main(spec: WorkerSpec, tasks: Queue[bytes | None], outcomes: Queue[Ou
     os.environ["RANK"] = str(spec.rank)
     os.environ["WORLD_SIZE"] = str(spec.world_size)
     os.environ["LOCAL_RANK"] = str(spec.rank)
-    # gradsync's own code calling a deprecated API fails the test, as the test process's pytest filters make
-    # it (torch attributes such a warning to its caller's module); GRADSYNC_TEST_DEPRECATIONS=default keeps
-    # them warnings (the compat sessions: an older or newer torch deprecates other names)
+    # gradsync's own code calling an API torch deprecated fails the test, as the test process's pytest
+    # filters make it (torch warns with FutureWarning, attributed to its caller's module);
+    # GRADSYNC_TEST_DEPRECATIONS=default keeps them warnings (the compat sessions: an older or newer torch
+    # deprecates other names)
     action = os.environ.get("GRADSYNC_TEST_DEPRECATIONS", "error")
-    for category in (DeprecationWarning, FutureWarning):
-        warnings.filterwarnings(action, category=category, module=r"gradsync\.")  # type: ignore[arg-type]
+    warnings.filterwarnings(action, category=FutureWarning, module=r"gradsync\.")  # type: ignore[arg-type]
     # Ranks share the machine's cores: one intra-op thread pool each would oversubscribe them.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
     try:
