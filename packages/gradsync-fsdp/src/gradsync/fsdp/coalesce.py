@@ -223,8 +223,9 @@ class ReductionGroup:
         group = first.group
         world, rank, part = group.size(), group.rank(), self.part
         grads = [b.unreduced_grads() for b in self.buckets]
-        if reduction.common_factor(self.buckets) is None:  # divide factors differ: each bucket its own,
-            self._scale(reduction, None, grads)  # before the wire interleaves them
+        common = reduction.common_factor(self.buckets)
+        if common is None:  # divide factors differ: each bucket its own, before the wire interleaves them
+            self._scale(reduction, None, grads)
         pieces: list[torch.Tensor] = []
         for r in range(world):
             pieces += self._rank_pieces(grads, r)
@@ -233,7 +234,6 @@ class ReductionGroup:
         wire = torch.cat(pieces)
         if wire.dtype != first.comm_dtype:
             wire = wire.to(first.comm_dtype)
-        common = reduction.common_factor(self.buckets)
         if common is not None and common != 1.0:
             wire.mul_(common)
         launched, sent = reduce_bucket(
