@@ -151,6 +151,7 @@ def typecheck(session: nox.Session) -> None:
         "integration/train.py",
         "integration/parity.py",
         "integration/exit_teardown.py",
+        "integration/titan_style.py",
         "benchmarks",
         "tools",
         "examples",

@@ -108,7 +108,7 @@ PLANTS = [
         "integration/README.md",
         "through the main job's `torchrun` command)\n",
         "through the same torchrun command the\nsession runs)\n",
-        "README.md:63: says 'the session'",
+        "README.md:64: says 'the session'",
     ),
     (
         "docs/hsdp.md",

@@ -462,9 +462,9 @@ def refuse_mixed_dtypes(model: TinyTransformer) -> None:
     list(model.parameters())  # a lone call is built at the first use
 
 
-def refuse_meta(model: TinyTransformer) -> None:
-    with torch.device("meta"):
-        fully_shard(TinyTransformer())
+def refuse_to_empty_elsewhere(model: TinyTransformer) -> None:
+    fully_shard(model)
+    model.to_empty(device="meta")
 
 
 REFUSALS: dict[str, tuple[Any, str]] = {  # what to do, and the message's fragments
@@ -536,7 +536,10 @@ REFUSALS: dict[str, tuple[Any, str]] = {  # what to do, and the message's fragme
         lambda m: (fully_shard(m.blocks[0]), fully_shard([m])),
         "a list groups units … call fully_shard on the root module alone",
     ),
-    "meta device": (refuse_meta, "params are on the meta device … initialise the model before fully_shard"),
+    "to_empty elsewhere": (
+        refuse_to_empty_elsewhere,
+        "to_empty(device='meta') … offloads nothing; pass device=",
+    ),
     "mixed dtypes": (refuse_mixed_dtypes, "param_dtype=torch.bfloat16 over params of several dtypes"),
     "forgotten root call": (
         refuse_forgotten_root,

@@ -41,6 +41,8 @@ def param_loader(
     every rank refuses alike."""
     local = target.to_local() if isinstance(target, DTensor) else target
     shape = bucket.layout.items[index].shape
+    if isinstance(value, DTensor) and all(p.is_replicate() for p in value.placements):
+        value = value.to_local()  # whole on every rank (a load pre-hook's merge of whole pieces)
     if isinstance(value, DTensor):
         if isinstance(target, DTensor) and split_of(value) != split_of(target):
             raise ValueError(
@@ -83,10 +85,10 @@ def add_sharded_params(
         destination[key] = value if first_row is None else describe_shard(value, first_row)
 
 
-def load_sharded_params(module: nn.Module, params: ShardedParams, state_dict: dict[str, Any]) -> set[str]:
+def load_sharded_params(module: nn.Module, params: ShardedParams, state_dict: dict[str, Any]) -> None:
     """Copy the rows this rank owns of every param of ``module`` that ``state_dict`` holds (DTensor shards
-    of the same layout, or whole tensors), each checked before any is copied; the keys of ``module``'s
-    params (``module.``-prefixed)."""
+    of the same layout, or whole tensors: plain, or DTensors replicated everywhere), each checked before
+    any is copied. Keys are ``module.``-prefixed."""
     keys = param_keys(module)
     copies = []
     for key, param in keys.items():
@@ -95,7 +97,6 @@ def load_sharded_params(module: nn.Module, params: ShardedParams, state_dict: di
             copies.append(param_loader(key, record.bucket, record.index, record.sharded, state_dict[key]))
     for copy in copies:  # every param checked first: a refused state dict changes nothing
         copy()
-    return set(keys)
 
 
 def gather_full_state_dict(

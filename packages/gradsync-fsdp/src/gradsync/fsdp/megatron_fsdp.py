@@ -84,6 +84,7 @@ class MegatronFSDP(OptimizerFacing):
         shard_alignment: ShardAlignmentSpec = None,
         gather_lane: bool = True,
         init_sync: bool = True,
+        init_meta_values: bool = True,
     ) -> None:
         """Arguments in Megatron-FSDP's order, with its defaults. ``mixed_precision_policy`` None: the
         one ``ddp_config`` describes. ``init_model_with_meta_device``: ``module`` was built on the meta
@@ -108,7 +109,11 @@ class MegatronFSDP(OptimizerFacing):
         it is given, into the rows it keeps: ZeRO-3 keeps each row on one rank, so its ranks hold one model
         whatever their seeds, but no_shard, ZeRO-1/2's compute weights and HSDP's outer replicas keep
         copies, which would start (no_shard and HSDP: stay) apart; there :meth:`broadcast_params` then
-        gives every rank the first data-parallel rank's model, as the broadcast above does."""
+        gives every rank the first data-parallel rank's model, as the broadcast above does.
+        ``init_meta_values`` False (gradsync's addition, what the FSDP2-style ``fully_shard`` passes): a
+        meta-device model's params get their storage in the shards but no values and nothing is
+        broadcast; the caller writes every value through the DTensor params (torch FSDP2's ``to_empty()``
+        then ``init_weights()``), and the first forward installs them."""
         super().__init__()
         refuse_fine_grained_gathers(
             enable_fine_grained_param_gather_hook, enable_fine_grained_param_gather_backward_hook
@@ -149,7 +154,7 @@ class MegatronFSDP(OptimizerFacing):
             buckets.allocators,
             buckets.nccl_ub_pool,
         )
-        if meta is not None:
+        if meta is not None and init_meta_values:
             buckets.materialize(module, meta, param_init_fn)
         calls = WrapperCalls(
             self._refuse_converted, self._backward_ended, self._cycle_ends, self.synchronize_gradient_reduce
@@ -165,7 +170,9 @@ class MegatronFSDP(OptimizerFacing):
         self._probe = next(iter(self.params), None)  # _refuse_converted
         self.set_model_auto_sync(sync_model_each_microbatch)
         self.is_last_microbatch = True
-        if meta is not None and init_sync and (not self.sharding.shard_params or self.outer is not None):
+        if meta is not None and not init_meta_values:
+            self.steps.weights_uninstalled = True  # the caller's init writes the main weights
+        elif meta is not None and init_sync and (not self.sharding.shard_params or self.outer is not None):
             self.broadcast_params()  # replicas materialised apart (see init_sync above)
         self._step.ballot.prepare()  # every check passed on every rank: no step has to build the vote groups
 

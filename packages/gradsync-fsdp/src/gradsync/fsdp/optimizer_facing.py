@@ -18,7 +18,7 @@ from torch import nn
 from gradsync.groups import FSDPDistributedIndex
 
 from .bucket import FlatParamBucket
-from .checkpoint import add_sharded_params, gather_full_state_dict, load_sharded_params
+from .checkpoint import add_sharded_params, gather_full_state_dict, load_sharded_params, param_keys
 from .optimizer_hooks import attach_optimizer
 from .sharded_param import ShardedParam, ShardedParams
 from .step_control import StepControl
@@ -62,11 +62,31 @@ class OptimizerFacing(nn.Module):
         self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         """Load params from DTensor shards of the same layout or from whole tensors (each rank copies the
-        rows it owns), buffers as usual; then install the weights. No collective runs."""
-        params = load_sharded_params(self.module, self.params, state_dict)
-        rest = {k: v for k, v in state_dict.items() if k not in params}
-        result = super().load_state_dict(rest, strict=False, assign=assign)
-        result.missing_keys[:] = [k for k in result.missing_keys if k not in params or k not in state_dict]
+        rows it owns), buffers as usual; then install the weights. No collective runs.
+
+        The modules' load pre-hooks run first, as in torch: a hook may build a param's value (torchtitan's
+        fused QKV merges the split keys it saved into one whole weight). So each param's value is taken
+        from the state dict after its own module's hooks ran, and copied into the shards once every
+        module's were (torch would copy it into the DTensor shard directly)."""
+        keys = param_keys(self.module)
+        taken: dict[str, Any] = {}
+
+        def take_params(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+            for leaf in module._parameters:
+                if prefix + leaf in keys and prefix + leaf in state:
+                    taken[prefix + leaf] = state.pop(prefix + leaf)
+
+        handles = [
+            owner.register_load_state_dict_pre_hook(take_params)  # type: ignore[no-untyped-call]
+            for owner in self.module.modules()
+        ]
+        try:
+            result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        finally:
+            for handle in handles:
+                handle.remove()
+        load_sharded_params(self.module, self.params, taken)
+        result.missing_keys[:] = [k for k in result.missing_keys if k not in taken]
         if strict and (result.missing_keys or result.unexpected_keys):
             raise RuntimeError(
                 f"MegatronFSDP.load_state_dict: missing keys {result.missing_keys}, unexpected keys "

@@ -28,7 +28,7 @@ from .mesh_dim_order import (
     torch_describes,
 )
 from .ragged_shard import RaggedShard
-from .torch_internals import DTensorSpec, TensorMeta, pytree, require_shard_order
+from .torch_internals import DTensorSpec, TensorMeta, pytree, redistributes_inputs, require_shard_order
 
 
 class RaggedDTensor(DTensor):
@@ -137,14 +137,31 @@ class RaggedDTensor(DTensor):
     ) -> Any:
         """Every op runs as on a plain DTensor; an output labelled, shaped and locally sized like a
         ragged input (an elementwise or alias op's: ``detach``, ``zeros_like``, ``clone``, ``a + b``) keeps
-        that input's split, so optimizer state and results of arithmetic gather right too."""
+        that input's split, so optimizer state and results of arithmetic gather right too.
+
+        An op whose dispatch would first move a ragged input to other placements (``chunk`` or ``cat``
+        along the split dim, indexing rows, a matmul needing it whole) runs on the input made whole
+        through its true split instead: torch's executor would move the label's even chunks."""
         sources: list[RaggedDTensor] = []
 
         def plain(tensor: RaggedDTensor) -> DTensor:
             sources.append(tensor)
             return tensor._plain()
 
-        out = func(*_map_only(RaggedDTensor, plain, args), **_map_only(RaggedDTensor, plain, kwargs or {}))
+        plain_args, plain_kwargs = (
+            _map_only(RaggedDTensor, plain, args),
+            _map_only(RaggedDTensor, plain, kwargs or {}),
+        )
+        if sources and redistributes_inputs(func, plain_args, plain_kwargs):
+            if func._schema.is_mutable:
+                raise NotImplementedError(
+                    f"{func}: an in-place op that moves a ragged shard (gradsync's uneven DTensor) to other "
+                    "placements first would write into a copy; run it out of place, or on full_tensor()"
+                )
+            sources.clear()
+            plain_args = _map_only(RaggedDTensor, RaggedDTensor._whole, args)
+            plain_kwargs = _map_only(RaggedDTensor, RaggedDTensor._whole, kwargs or {})
+        out = func(*plain_args, **plain_kwargs)
         if type(out) is list:  # a foreach op: output i follows item i of the lists it was given
             lists = [arg for arg in args if type(arg) in (list, tuple) and len(arg) == len(out)]
             return [_follow_split(result, [items[i] for items in lists]) for i, result in enumerate(out)]
@@ -158,6 +175,10 @@ class RaggedDTensor(DTensor):
             twin = DTensor(local_tensor(self), self._spec, requires_grad=False)  # type: ignore[no-untyped-call]
             self._twin = twin
         return twin
+
+    def _whole(self) -> DTensor:
+        """This tensor replicated on every rank, gathered through its true split."""
+        return reshard(self.ragged_view(), [Replicate()] * self.device_mesh.ndim)
 
     def _described(self) -> RaggedDTensor:
         """With this rank's true chunk attached to the local tensor, which DTensor's DCP hooks consult."""

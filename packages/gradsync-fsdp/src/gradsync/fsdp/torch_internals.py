@@ -14,6 +14,7 @@ import torch
 import torch.distributed._functional_collectives as funcol  # checked on 2.6 (all_gather_tensor)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # checked on 2.6
+from torch.distributed.tensor._ops._pointwise_ops import pointwise_ops  # checked on 2.6
 from torch.distributed.tensor.placement_types import _StridedShard  # checked on 2.6
 from torch.utils import _pytree as pytree  # checked on 2.6
 
@@ -45,6 +46,7 @@ __all__ = [
     "flatten_mesh",
     "funcol",
     "pytree",
+    "redistributes_inputs",
     "reduce_scatter_single",
     "require_shard_order",
     "spec_shard_order",
@@ -116,3 +118,19 @@ def version_counter(tensor: torch.Tensor) -> int:
     """``tensor``'s version counter, which every in-place torch op on it or on a view of it moves (checked
     on 2.6); collectives do not move it."""
     return int(tensor._version)
+
+
+_POINTWISE = frozenset(pointwise_ops)
+
+
+def redistributes_inputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether torch's DTensor dispatch of ``func`` on these DTensor ``args`` moves an input to other
+    placements before running it locally (its sharding propagation, cached per schema; checked on 2.6,
+    2.13 and 2.15). Pointwise and foreach ops never do on inputs placed alike, and are not asked."""
+    if func in _POINTWISE or func.__name__.startswith("_foreach_"):
+        return False
+    dispatcher: Any = DTensor._op_dispatcher
+    op_info = dispatcher.unwrap_to_op_info(func, args, kwargs)
+    dispatcher.sharding_propagator.propagate(op_info)
+    sharding = op_info.output_sharding
+    return sharding is not None and bool(sharding.needs_redistribute)

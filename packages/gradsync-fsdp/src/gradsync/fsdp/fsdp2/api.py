@@ -18,7 +18,6 @@ from .checks import (
     _checked_outer,
     _checked_reshard,
     _refuse_disagreement,
-    _refuse_meta,
     _refuse_offload,
     _refuse_reuse,
     _refuse_unsupported_placements,
@@ -100,7 +99,6 @@ def fully_shard(
     for target in modules:
         _refuse_unsupported_placements(target, shard_placement_fn, call.ignored_params)
         _refuse_reuse(target)
-        _refuse_meta(target, call.ignored_params)
     marked = [_marked_inside(target) for target in modules]
     if isinstance(module, list):
         if any(marked):

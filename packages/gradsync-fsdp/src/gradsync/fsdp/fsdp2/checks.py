@@ -122,17 +122,6 @@ def _refuse_reuse(module: nn.Module) -> None:
         )
 
 
-def _refuse_meta(module: nn.Module, ignored: frozenset[nn.Parameter]) -> None:
-    on_meta = [n for n, p in module.named_parameters() if p.is_meta and p not in ignored]
-    if on_meta:
-        raise NotImplementedError(
-            f"fully_shard: {len(on_meta)} params are on the meta device (first {on_meta[0]!r}); gradsync "
-            "shards real values when the root is built, so to_empty() and init_weights() after it cannot "
-            "work: initialise the model before fully_shard (or use MegatronFSDP(..., "
-            "init_model_with_meta_device=True), which runs each module's reset_parameters())"
-        )
-
-
 def _refuse_disagreement(target: nn.Module, call: _Call) -> NoReturn:
     theirs, ours = _state(target).call.shared(), call.shared()
     field = next(k for k in ours if theirs[k] != ours[k])

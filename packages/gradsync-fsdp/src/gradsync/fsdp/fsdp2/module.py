@@ -86,6 +86,32 @@ class FSDPModule(nn.Module):
             )
         return super()._apply(*args, **kwargs)  # type: ignore[no-untyped-call]
 
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Any:
+        """torch's meta-device flow: build under ``torch.device("meta")``, ``fully_shard``, ``to_empty()``,
+        then the model's own init on the DTensor params. The params already have storage in gradsync's
+        shards on the mesh's device, so they are left as they are (their values are garbage until the init
+        writes them, as torch's); buffers and ``ignored_params`` get new uninitialised storage on
+        ``device``. The next forward installs whatever the params hold then."""
+        root = self._fsdp2_root()
+        fsdp = root.fsdp
+        target = torch.device(device) if device is not None else fsdp.device
+        if target.type != fsdp.device.type:
+            raise NotImplementedError(
+                f"{type(self).__name__}.to_empty(device={str(target)!r}): gradsync keeps the params on the "
+                f"mesh's device ({fsdp.device}) and offloads nothing; pass device={fsdp.device.type!r}"
+            )
+        with torch.no_grad():
+            for owner in self.modules() if recurse else [self]:
+                for leaf, buffer in owner._buffers.items():
+                    if buffer is not None:
+                        owner._buffers[leaf] = torch.empty_like(buffer, device=target)
+                for leaf, param in owner._parameters.items():
+                    if param is not None and param in root.ignored:
+                        empty = torch.empty_like(param, device=target)
+                        owner._parameters[leaf] = nn.Parameter(empty, param.requires_grad)
+        fsdp.steps.weights_uninstalled = True
+        return self
+
     def load_state_dict(  # type: ignore[override]
         self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
     ) -> _IncompatibleKeys:

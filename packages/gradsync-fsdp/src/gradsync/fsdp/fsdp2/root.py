@@ -104,8 +104,11 @@ def _megatron_fsdp(
     module: nn.Module, call: _Call, units: list[_module.FSDPModule], ignored: frozenset[nn.Parameter]
 ) -> MegatronFSDP:
     managed = [(n, p) for n, p in module.named_parameters() if p not in ignored]
-    # the mesh's device, as torch moves the module there; without a mesh, the params'
-    device = choose_device(None, (p for _, p in managed), call.mesh.device_type if call.mesh else None)
+    on_meta = any(p.is_meta for _, p in managed)
+    # the mesh's device, as torch moves the module there; without a mesh, the params' (meta params: the
+    # accelerator's, else the CPU, as torch's default mesh)
+    mesh_type = call.mesh.device_type if call.mesh else _default_device_type() if on_meta else None
+    device = choose_device(None, (p for _, p in managed), mesh_type)
     index = _index(call, device)
     # In the caller's terms, before MegatronFSDP checks what they became (its strategy, its precision),
     # and before any refusal that depends on them (a rank raising alone would leave the others here)
@@ -137,6 +140,8 @@ def _megatron_fsdp(
                 device=device,
                 sync_model_each_microbatch=True,
                 shard_alignment=call.shard_alignment,
+                init_model_with_meta_device=on_meta,
+                init_meta_values=False,  # torch's flow: to_empty() and the model's init write them
             )
     except BaseException:
         with torch.no_grad():  # leave the caller's model as it was given
@@ -144,13 +149,18 @@ def _megatron_fsdp(
                 if name in originals:
                     param.data = originals[name]
         raise
-    if originals:  # the main weights from the values before the cast, as torch keeps them
+    if originals and not on_meta:  # the main weights from the values before the cast, as torch keeps them
         fsdp.load_state_dict({f"module.{name}": value for name, value in originals.items()}, strict=False)
     if fsdp.sharding.shard_params:
         fsdp.units_kept_after_forward = {
             i for i, unit in enumerate(fsdp.units) if _state(unit).call.reshard_after_forward is False
         }
     return fsdp
+
+
+def _default_device_type() -> str:
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator.type if accelerator is not None else "cpu"
 
 
 def _arguments(call: _Call, units: list[_module.FSDPModule]) -> dict[str, object]:
