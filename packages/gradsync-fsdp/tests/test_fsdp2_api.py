@@ -480,9 +480,9 @@ REFUSALS: dict[str, tuple[Any, str]] = {  # what to do, and the message's fragme
         lambda m: fully_shard(m, reshard_after_forward=2),
         "reshard_after_forward=2 … pass True … or False",
     ),
-    "dp_mesh_dims": (
+    "dp_mesh_dims without a mesh": (
         lambda m: fully_shard(m, dp_mesh_dims=object()),
-        "dp_mesh_dims … pass the data-parallel mesh",
+        "dp_mesh_dims names dims of mesh=; pass the whole SPMD mesh",
     ),
     "3-D mesh": (
         lambda m: fully_shard(m, mesh=init_device_mesh(test_device().type, (2, 1, 1))),
@@ -557,9 +557,21 @@ REFUSALS: dict[str, tuple[Any, str]] = {  # what to do, and the message's fragme
         lambda m: refuse_on_built(m, "unit.set_requires_gradient_sync", False),
         "FSDPBlock.set_requires_gradient_sync on a unit … call model.set_requires_gradient_sync(flag) on the root",
     ),
-    "prefetch lists": (
-        lambda m: refuse_on_built(m, "set_modules_to_forward_prefetch", []),
-        "set_modules_to_forward_prefetch() is not supported by gradsync … suggested_AG_prefetch_size",
+    "custom collectives": (
+        lambda m: refuse_on_built(m, "set_custom_all_gather", None),
+        "set_custom_all_gather() is not supported by gradsync … collectives come from gradsync-buffers",
+    ),
+    "reduce-scatter input buffers": (
+        lambda m: refuse_on_built(m, "set_reduce_scatter_max_input_buffers", 2),
+        "set_reduce_scatter_max_input_buffers() is not supported … suggested_RS_queue_capacity",
+    ),
+    "all-reduce hook": (
+        lambda m: refuse_on_built(m, "set_all_reduce_hook", None),
+        "set_all_reduce_hook() is not supported … outer_dp_sharding_strategy",
+    ),
+    "reset_iter_state": (
+        lambda m: refuse_on_built(m, "reset_iter_state"),
+        "reset_iter_state() is not supported … rebuild the model and optimizer",
     ),
     "divide factor": (
         lambda m: refuse_on_built(m, "set_gradient_divide_factor", 0.0),

@@ -205,6 +205,23 @@ class MegatronFSDP(OptimizerFacing):
         self._hooks.units_kept_after_forward = unit_ids
 
     @property
+    def units_not_gathered_in_backward(self) -> set[int]:
+        """ZeRO-3 units whose backward needs no weights (an embedding's): not gathered for it (FSDP2's
+        ``set_unshard_in_backward(False)``)."""
+        return self._hooks.gathers.not_gathered_in_backward
+
+    @property
+    def chosen_prefetch(self) -> dict[tuple[int, int], list[int]]:
+        """{(unit, +1 forward / -1 backward): the units gathered right after that unit's own gather},
+        in place of the budgeted prefetch there (FSDP2's ``set_modules_to_*_prefetch``)."""
+        return self._hooks.gathers.chosen_prefetch
+
+    @property
+    def grads_pending(self) -> bool:
+        """Whether a backward ran since the cycle's grads were last handed to the optimizer's params."""
+        return self._step.cycle.grads_pending
+
+    @property
     def microbatch_count(self) -> int:
         """Backwards since the last ``finish_grad_sync()``."""
         return self._hooks.cycle.microbatch_count

@@ -55,15 +55,35 @@ class GatherSchedule:
         self.total_size = sum(self.unit_sizes)
         self.weights = weights
         self.prefetch_size = prefetch_size  # 0 turns prefetch off
+        # FSDP2's explicit prefetch lists, per unit and direction (+1 forward, -1 backward): they replace
+        # the budgeted prefetch after that unit's gather
+        self.chosen_prefetch: dict[tuple[int, int], list[int]] = {}
+        self.not_gathered_in_backward: set[int] = set()  # FSDP2's set_unshard_in_backward(False)
 
     def gather_unit(self, unit_id: int, prefetch: int | None) -> None:
-        """Gather unit ``unit_id`` (and prefetch from unit ``prefetch`` on, away from it), and wait."""
+        """Gather unit ``unit_id`` (and prefetch from unit ``prefetch`` on, away from it, or the units
+        chosen for it), and wait."""
         for bucket in self.unit_buckets[unit_id]:
             bucket.launch_gather()
         if prefetch is not None:
-            self.prefetch(prefetch, 1 if prefetch > unit_id else -1)
+            direction = 1 if prefetch > unit_id else -1
+            chosen = self.chosen_prefetch.get((unit_id, direction))
+            if chosen is None:
+                self.prefetch(prefetch, direction)
+            for other in chosen or ():
+                buckets = self.unit_buckets[other]
+                if all(self.weights.can_allocate(b.bucket_id) for b in buckets):
+                    for bucket in buckets:
+                        bucket.launch_gather()
         for bucket in self.unit_buckets[unit_id]:
             bucket.wait_gather()
+
+    def gather_for_backward(self, unit_id: int) -> None:
+        """Gather unit ``unit_id`` for its backward (unless its backward needs no weights), prefetching
+        the units before it."""
+        if unit_id in self.not_gathered_in_backward:
+            return
+        self.gather_unit(unit_id, prefetch=unit_id - 1)
 
     def prefetch(self, unit_id: int | None, direction: int = 1) -> None:
         """Start gathering whole units from ``unit_id`` on, in ``direction`` (+1: forward order, -1:
@@ -71,6 +91,9 @@ class GatherSchedule:
         budget = self.prefetch_size
         unbounded_run = self.weights_stay_whole and budget >= self.total_size
         while unit_id is not None and 0 <= unit_id < len(self.unit_buckets):
+            if direction < 0 and unit_id in self.not_gathered_in_backward:
+                unit_id += direction
+                continue
             buckets, size = self.unit_buckets[unit_id], self.unit_sizes[unit_id]
             if unbounded_run and all(b.status is not BucketStatus.EMPTY for b in buckets):
                 return

@@ -179,7 +179,7 @@ class TrainingHooks:
     def unit_pre_backward(self, unit_id: int) -> None:
         """ZeRO-3: gather the unit (its backward is next) and prefetch the ones before it."""
         set_state(self._modules_of_unit[unit_id], TrainingState.PRE_BACKWARD)
-        self.gathers.gather_unit(unit_id, prefetch=unit_id - 1)
+        self.gathers.gather_for_backward(unit_id)
 
     @labelled("post_backward")
     def unit_post_backward(self, unit_id: int) -> None:

@@ -21,11 +21,12 @@ from __future__ import annotations
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from .api import fully_shard, megatron_fsdp_of
-from .module import FSDPModule, UnshardHandle
+from .module import FSDPModule, GradientReductionHandle, UnshardHandle
 
 __all__ = [
     "CPUOffloadPolicy",
     "FSDPModule",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",

@@ -17,6 +17,7 @@ from .checks import (
     _checked_mp_policy,
     _checked_outer,
     _checked_reshard,
+    _plain_params,
     _refuse_disagreement,
     _refuse_offload,
     _refuse_reuse,
@@ -81,7 +82,9 @@ def fully_shard(
     only): ``"no_shard"`` replicates over the outer axis (torch's HSDP), ``"optim"`` also shards the
     optimizer state over it (ZeRO-1 outside, ZeRO-3 inside). ``shard_alignment`` (gradsync's, read from
     the root call, names relative to the root): where shards may cut each param, as
-    :class:`MegatronFSDP`'s (``"chunk"`` gives torch's own ``Shard(0)`` shards)."""
+    :class:`MegatronFSDP`'s (``"chunk"`` gives torch's own ``Shard(0)`` shards). ``dp_mesh_dims`` (torch
+    2.15's): ``mesh`` is the whole SPMD mesh, these its data-parallel dims; its other dims must have size
+    1, and params may be DTensors replicated on it (they become plain params first)."""
     modules = module if isinstance(module, list) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError(
@@ -96,6 +99,8 @@ def fully_shard(
         shard_alignment=shard_alignment,
     )
     _refuse_offload(offload_policy)
+    for target in modules if dp_mesh_dims is not None else ():
+        _plain_params(target, mesh)
     for target in modules:
         _refuse_unsupported_placements(target, shard_placement_fn, call.ignored_params)
         _refuse_reuse(target)

@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from gradsync.buffers.wrapper_claims import live_owner
+from gradsync.groups.torch_internals import flatten_mesh
 
 from ..strategy import STRATEGY_NAMES, parse_strategy
 from .module import FSDPModule
@@ -20,17 +22,78 @@ from .state import _PENDING, _Call, _is_root, _state
 
 def _checked_mesh(mesh: DeviceMesh | None, dp_mesh_dims: Any) -> DeviceMesh | None:
     if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "fully_shard: dp_mesh_dims (params already DTensors on a full SPMD mesh) is not supported by "
-            "gradsync, which shards plain params; pass the data-parallel mesh alone as mesh= (e.g. "
-            "world_mesh['dp_replicate', 'dp_shard'])"
-        )
+        return _data_parallel_mesh(mesh, dp_mesh_dims)
     if mesh is not None and mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard: mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; give a 1-D (shard) mesh or a "
-            "2-D (replicate, shard) mesh for HSDP, sliced from the world mesh"
+            "2-D (replicate, shard) mesh for HSDP, sliced from the world mesh, or name its data-parallel "
+            "dims with dp_mesh_dims"
         )
     return mesh
+
+
+def _dim_names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if value is None else (value,) if isinstance(value, str) else tuple(value)
+
+
+def _data_parallel_mesh(mesh: DeviceMesh | None, dims: Any) -> DeviceMesh:
+    """torch 2.15's ``dp_mesh_dims``: ``mesh`` is the whole SPMD mesh and ``dims.shard`` /
+    ``dims.replicate`` name its data-parallel dims (several names are flattened into one). The shard mesh,
+    or the (replicate, shard) mesh for HSDP, sliced from it. Its other dims must have size 1: gradsync
+    shards plain params, not params already split over tensor- or context-parallel dims."""
+    shard, replicate = _dim_names(getattr(dims, "shard", None)), _dim_names(getattr(dims, "replicate", None))
+    if mesh is None or mesh.mesh_dim_names is None:
+        raise ValueError(
+            "fully_shard: dp_mesh_dims names dims of mesh=; pass the whole SPMD mesh, with dim names"
+        )
+    names = mesh.mesh_dim_names
+    unknown = [name for name in (*shard, *replicate) if name not in names]
+    if unknown or not (shard or replicate):
+        raise ValueError(
+            f"fully_shard: dp_mesh_dims={dims!r} must name dims of the mesh {names} (unknown: {unknown})"
+        )
+    if not shard:
+        raise NotImplementedError(
+            "fully_shard: dp_mesh_dims with replicate dims only is data parallelism without sharding: use "
+            "gradsync.ddp's DistributedDataParallel over that group"
+        )
+    others = [name for name in names if name not in (*shard, *replicate) and mesh[name].size() > 1]
+    if others:
+        raise NotImplementedError(
+            f"fully_shard: mesh dims {others} are not data-parallel and have size > 1; gradsync's "
+            "fully_shard "
+            "shards plain params over data-parallel dims only (not DTensors already split over tensor or "
+            "context parallelism): use MegatronFSDP with an FSDPDistributedIndex that names the TP dim"
+        )
+    shard_mesh = mesh[shard[0]] if len(shard) == 1 else flatten_mesh(mesh[shard], "_".join(shard))
+    if not replicate:
+        return shard_mesh
+    if len(shard) == len(replicate) == 1 and names.index(replicate[0]) < names.index(shard[0]):
+        return mesh[replicate[0], shard[0]]
+    raise NotImplementedError(
+        f"fully_shard: dp_mesh_dims={dims!r}: gradsync's HSDP takes one replicate dim before one shard dim "
+        "of the mesh; flatten the others into one dim each when building the mesh"
+    )
+
+
+def _plain_params(module: nn.Module, mesh_given: DeviceMesh | None) -> None:
+    """Under ``dp_mesh_dims`` torch's params are DTensors on the SPMD mesh, replicated on every dim
+    (the other dims have size 1): each becomes a plain param over its local (whole) tensor, tied params
+    staying tied. A param split over a dim is refused by name."""
+    plain: dict[torch.Tensor, nn.Parameter] = {}
+    for owner_name, owner in module.named_modules():
+        for leaf, param in list(owner._parameters.items()):
+            if param is None or not isinstance(param, DTensor):
+                continue
+            if not all(p.is_replicate() for p in param.placements) or param.device_mesh != mesh_given:
+                raise NotImplementedError(
+                    f"fully_shard: {owner_name + '.' if owner_name else ''}{leaf} is a DTensor placed "
+                    f"{param.placements} on mesh {param.device_mesh.mesh_dim_names}; with dp_mesh_dims "
+                    "gradsync takes params replicated on the mesh passed to fully_shard (or plain ones)"
+                )
+            if param not in plain:
+                plain[param] = nn.Parameter(param.to_local(), param.requires_grad)
+            owner._parameters[leaf] = plain[param]
 
 
 def _checked_reshard(value: bool | int | None) -> bool | None:

@@ -30,6 +30,19 @@ class UnshardHandle:
         self._buckets = []
 
 
+class GradientReductionHandle:
+    """What ``finalize_backward(async_op=True)`` returns: ``wait()`` ends the cycle (the reductions were
+    launched during the backwards) and hands the grads over."""
+
+    def __init__(self, finish: Callable[[], None] | None) -> None:
+        self._finish = finish
+
+    def wait(self) -> None:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+
 def _not_supported(name: str, advice: str) -> Callable[..., NoReturn]:
     """An FSDPModule method gradsync has no counterpart for: it raises, saying what to do instead."""
 
@@ -40,7 +53,6 @@ def _not_supported(name: str, advice: str) -> Callable[..., NoReturn]:
     return method
 
 
-_PREFETCH = "units are prefetched in order: set megatron_fsdp_of(model).suggested_AG_prefetch_size"
 _COMMS = "gradsync's collectives come from gradsync-buffers, chosen per backend"
 
 
@@ -175,6 +187,37 @@ class FSDPModule(nn.Module):
         some ranks never mismatch the collectives."""
         self._fsdp2_root()
 
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """On the root: True makes no backward end the accumulation cycle (it supersedes
+        ``set_is_last_backward``); call :meth:`finalize_backward` after the step's last backward, before
+        reading or clearing grads."""
+        root = self._root_only("set_manual_backward_finalization")
+        root.manual_finalization = bool(enabled)
+        root.apply_flags()
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """End the cycle now, under the current gradient-sync setting: reduce what the backwards left
+        pending and hand the DTensors their grads (MegatronFSDP's ``finish_grad_sync()``). Nothing to do
+        before any backward, after one already finalized, or with gradient sync off (the cycle goes on).
+        ``async_op``: a handle whose ``wait()`` does it."""
+        root = self._root_only("finalize_backward")
+        fsdp = root.fsdp
+        finish = fsdp.finish_grad_sync if root.requires_gradient_sync and fsdp.grads_pending else None
+        if async_op:
+            return GradientReductionHandle(finish)
+        if finish is not None:
+            finish()
+        return None
+
+    def _root_only(self, method: str) -> _Root:
+        root = self._fsdp2_root()
+        if _state(self).unit_id is not None:
+            raise ValueError(
+                f"{type(self).__name__}.{method}: call it on the root FSDP module, which ends the cycle "
+                "for all its units"
+            )
+        return root
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """This module's own grads (not its submodules', as torch's) become the data-parallel ranks' sum
         divided by ``factor`` instead of their mean: 1.0 sums them, as torchtitan sets on every module
@@ -244,6 +287,61 @@ class FSDPModule(nn.Module):
                 "on every unit keeps whole weights (ZeRO-2), True on some unit releases them (ZeRO-3)"
             )
 
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Right after this unit's gather in forward, start gathering these units' weights (in list
+        order), in place of the budgeted prefetch there (``suggested_AG_prefetch_size``)."""
+        self._choose_prefetch("set_modules_to_forward_prefetch", modules, 1)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Right after this unit's gather for its backward (ZeRO-3), start gathering these units'."""
+        self._choose_prefetch("set_modules_to_backward_prefetch", modules, -1)
+
+    def _choose_prefetch(self, method: str, modules: list[FSDPModule], direction: int) -> None:
+        root, unit_id = self._fsdp2_root(), _state(self).unit_id
+        if unit_id is None:
+            raise NotImplementedError(
+                f"{type(self).__name__}.{method} on the root: its forward starts with the first units' "
+                "budgeted prefetch (megatron_fsdp_of(model).suggested_AG_prefetch_size); call it on units"
+            )
+        chosen = []
+        for module in modules:
+            if not isinstance(module, FSDPModule) or module._fsdp2_root() is not root:
+                raise ValueError(
+                    f"{type(self).__name__}.{method}: {type(module).__name__} is not a module passed to "
+                    "fully_shard under this one's root"
+                )
+            other = _state(module).unit_id
+            if other is None:
+                raise ValueError(
+                    f"{type(self).__name__}.{method}: {type(module).__name__} is the root, whose own params "
+                    "are gathered at the start of forward and backward; list units only"
+                )
+            chosen.append(other)
+        root.fsdp.chosen_prefetch[(unit_id, direction)] = chosen
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: this unit's backward needs none of its weights (an embedding's), so a ZeRO-3 unit is
+        not gathered for it, nor prefetched."""
+        if not isinstance(unshard_in_backward, bool):
+            raise ValueError(f"unshard_in_backward must be a bool, not {unshard_in_backward!r}")
+        fsdp, unit_id = self._fsdp2_root().fsdp, _state(self).unit_id
+        if unit_id is None:
+            raise NotImplementedError(
+                f"{type(self).__name__}.set_unshard_in_backward on the root: its own params are gathered "
+                "together at the backward's start; pass the module to fully_shard as a unit of its own"
+            )
+        if unshard_in_backward:
+            fsdp.units_not_gathered_in_backward.discard(unit_id)
+        else:
+            fsdp.units_not_gathered_in_backward.add(unit_id)
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """The next forward's gathers wait for ``event`` (recorded after the optimizer step) instead of
+        all work queued before it: the current stream, on which gradsync issues them, waits for it once."""
+        if not callable(getattr(event, "wait", None)):
+            raise TypeError(f"set_post_optim_event: event must be a torch.Event, not {type(event).__name__}")
+        self._fsdp2_root().post_optim_event = event
+
     def _own_buckets(self) -> tuple[MegatronFSDP, list[FlatParamBucket]]:
         """This module's buckets: a unit's, or the root's own (outside every unit)."""
         fsdp = self._fsdp2_root().fsdp
@@ -265,8 +363,6 @@ class FSDPModule(nn.Module):
         for bucket in buckets:
             bucket.release()
 
-    set_modules_to_forward_prefetch = _not_supported("set_modules_to_forward_prefetch", _PREFETCH)
-    set_modules_to_backward_prefetch = _not_supported("set_modules_to_backward_prefetch", _PREFETCH)
     set_custom_all_gather = _not_supported("set_custom_all_gather", _COMMS)
     set_custom_reduce_scatter = _not_supported("set_custom_reduce_scatter", _COMMS)
     set_allocate_memory_from_process_group_for_comm = _not_supported(
@@ -281,11 +377,10 @@ class FSDPModule(nn.Module):
     set_all_reduce_hook = _not_supported(
         "set_all_reduce_hook", "gradsync runs HSDP's outer all-reduce itself (outer_dp_sharding_strategy)"
     )
-    set_unshard_in_backward = _not_supported(
-        "set_unshard_in_backward", "a ZeRO-3 unit is gathered for its backward whenever it was released"
-    )
-    set_post_optim_event = _not_supported(
-        "set_post_optim_event", "the first forward after a step installs and gathers on the current stream"
+    set_keep_unsharded_storage = _not_supported(
+        "set_keep_unsharded_storage",
+        "a released unit's gather buffer goes back to its allocator; for buffers that keep their storage "
+        "(CUDA graphs) build MegatronFSDP with fsdp_double_buffer=True",
     )
     reset_iter_state = _not_supported(
         "reset_iter_state", "after a failed forward or backward, rebuild the model and optimizer"

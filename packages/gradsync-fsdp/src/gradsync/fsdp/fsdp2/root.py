@@ -89,6 +89,7 @@ def _build_root(module: nn.Module, call: _Call, units: list[_module.FSDPModule])
         _PENDING.discard(member)
         _cast_at_boundaries(member, _state(member).call.mp_policy)
     module.register_forward_pre_hook(outside_compile(root.start_cycle_after_step), prepend=True)  # first
+    module.register_forward_pre_hook(outside_compile(root.wait_post_optim_event), prepend=True)  # before it
     module.register_state_dict_post_hook(_picklable_dtensors)  # type: ignore[no-untyped-call]
 
 

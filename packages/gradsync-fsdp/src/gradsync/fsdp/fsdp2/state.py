@@ -50,13 +50,24 @@ class _Root:
         self.ignored = ignored
         self.requires_gradient_sync = True
         self.is_last_backward = True
+        self.manual_finalization = False
+        self.post_optim_event: Any = None
         self.apply_flags()
 
     def apply_flags(self) -> None:
         """Without gradient sync the backward defers what it can (``no_sync``); a backward with sync that
-        is also the last one reduces everything and gives the DTensors their grads (auto-sync)."""
+        is also the last one reduces everything and gives the DTensors their grads (auto-sync), unless
+        the caller finalizes (``finalize_backward()``)."""
         self.fsdp.is_last_microbatch = self.requires_gradient_sync
-        self.fsdp.set_model_auto_sync(self.requires_gradient_sync and self.is_last_backward)
+        ends = self.requires_gradient_sync and self.is_last_backward and not self.manual_finalization
+        self.fsdp.set_model_auto_sync(ends)
+
+    def wait_post_optim_event(self, module: nn.Module, args: Any) -> None:
+        """The event given by ``set_post_optim_event``: the current stream (on which gradsync's gathers
+        are issued) waits for it once, at the next forward."""
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is not None:
+            event.wait()
 
     def start_cycle_after_step(self, module: nn.Module, args: Any) -> None:
         """A forward after an optimizer step starts a new cycle: torch users zero the DTensors' grads
