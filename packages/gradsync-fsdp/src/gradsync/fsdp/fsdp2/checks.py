@@ -57,7 +57,7 @@ def _data_parallel_mesh(mesh: DeviceMesh | None, dims: Any) -> DeviceMesh:
             "fully_shard: dp_mesh_dims with replicate dims only is data parallelism without sharding: use "
             "gradsync.ddp's DistributedDataParallel over that group"
         )
-    others = [name for name in names if name not in (*shard, *replicate) and mesh[name].size() > 1]
+    others = [n for i, n in enumerate(names) if n not in (*shard, *replicate) and mesh.size(i) > 1]
     if others:
         raise NotImplementedError(
             f"fully_shard: mesh dims {others} are not data-parallel and have size > 1; gradsync's "
