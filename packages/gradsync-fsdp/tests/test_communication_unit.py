@@ -13,7 +13,7 @@ from fsdp_testkit import local_microbatches, wrap
 
 from gradsync.buffers import DistributedDataParallelConfig
 from gradsync.fsdp.bucket import BucketStatus
-from gradsync.fsdp.communication_unit import CAP, communication_unit_size
+from gradsync.fsdp.schedule import CAP, communication_unit_size
 from gradsync.groups.testing import run_distributed
 
 LAYERS = 4

@@ -1,4 +1,4 @@
-"""The gather lane (:mod:`gradsync.fsdp.lanes`): param all-gathers on a group of their own over the shard
+"""The gather lane (:mod:`gradsync.fsdp.collectives`): param all-gathers on a group of their own over the shard
 group's ranks, grad reductions on the shard group.
 
 What one group means on gloo (ProcessGroupGloo, measured with torch 2.13): a group's collectives pair up
@@ -41,7 +41,7 @@ from gradsync.buffers.collectives import Launched
 from gradsync.buffers.testing import issued_collectives
 from gradsync.fsdp import MegatronFSDP
 from gradsync.fsdp.bucket import FlatParamBucket, GradReduction
-from gradsync.fsdp.lanes import LANE_DESC
+from gradsync.fsdp.collectives import LANE_DESC
 from gradsync.groups import FSDPDistributedIndex
 from gradsync.groups.testing import run_distributed, test_device
 

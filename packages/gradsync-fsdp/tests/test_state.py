@@ -148,3 +148,22 @@ def test_shards_of_another_layout_are_refused() -> None:
     results = run_distributed(load_across_layouts, 2, args=("optim",))
     assert all("laid out differently" in message for message, _ in results), results
     assert all(unchanged for _, unchanged in results)
+
+
+def raw_params() -> dict[str, Any]:
+    model = wrap("optim_grads_params")
+    shown = dict(model.module.named_parameters())  # the optimizer's DTensors until a forward
+    return {
+        "names": list(model.raw_param) == list(shown),
+        "compute params, whole shape": all(
+            not isinstance(param, DTensor) and param.shape == shown[name].shape
+            for name, param in model.raw_param.items()
+        ),
+        "inverse": all(model.param_to_name[param] == name for name, param in model.raw_param.items()),
+    }
+
+
+def test_raw_param_and_param_to_name_are_megatron_fsdps_maps() -> None:
+    """Megatron-FSDP's own tests read ``raw_param[name]`` (the wrapped module's params by name)."""
+    for facts in run_distributed(raw_params, 2):
+        assert facts == {"names": True, "compute params, whole shape": True, "inverse": True}

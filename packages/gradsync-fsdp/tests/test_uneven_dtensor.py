@@ -40,7 +40,7 @@ from gradsync.fsdp import (
     uneven_dtensor_to_full_tensor,
     validate_uneven_dtensor,
 )
-from gradsync.fsdp.dcp import describe_shard
+from gradsync.fsdp.ragged import describe_shard
 from gradsync.fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
 from gradsync.groups.testing import run_distributed, test_device
 

@@ -14,8 +14,7 @@ from .hooks import RegisterFSDPBackwardFunction, TrainingState
 from .hooks import replace_module_parameter as _replace_module_parameter
 from .layout import BucketLayout, compute_bucket_layout, row_alignment
 from .megatron_fsdp import MegatronFSDP
-from .mixed_precision import MixedPrecisionPolicy
-from .strategy import ShardingStrategy
+from .settings import MixedPrecisionPolicy, ShardingStrategy
 from .uneven_dtensor import (
     gather_uneven_dtensor_to_full_tensor,
     preprocess_state_dict_for_uneven_dtensor,

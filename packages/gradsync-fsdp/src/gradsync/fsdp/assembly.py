@@ -20,19 +20,13 @@ from gradsync.groups import FSDPDistributedIndex
 
 from .bucket import GradReduction
 from .bucket_set import BucketSet
-from .communication_unit import communication_unit_size, prefetch_size
-from .cycle import Cycle
-from .hsdp import OuterReplication, optimizer_placements
+from .layout import OuterReplication, optimizer_placements
 from .meta_init import MetaReplacement
-from .optimizer_params import build_optimizer_params
-from .registration import ParamRegistry
-from .schedule import GatherSchedule, ReduceSchedule
-from .sharded_param import ShardedParams
-from .step_control import StepControl
-from .step_tracking import StepMarks
-from .strategy import Sharding
+from .schedule import Cycle, GatherSchedule, ReduceSchedule, StepMarks, communication_unit_size, prefetch_size
+from .settings import Sharding
+from .sharded_param import ParamRegistry, ShardedParams, build_optimizer_params
+from .step_control import StepControl, WeightSync
 from .training_hooks import TrainingHooks
-from .weight_sync import WeightSync
 
 MEGATRON_OWNER = "_megatron_fsdp_model"
 """The attribute of an optimizer param that names its MegatronFSDP: Megatron's own code reads it (its

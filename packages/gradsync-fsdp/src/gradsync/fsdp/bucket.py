@@ -1,8 +1,34 @@
-"""One bucket's storage and collectives: compute weights, main weights and grads as flat buffers.
+"""One bucket: its flat buffers, the weights a rank keeps, its grads and their reduction.
+
+Views of a bucket's items in its flat buffers.
+
+Params, their grads and the optimizer's rows are views of a bucket's flat buffers, never copies, so a
+collective on a buffer is seen by every param at once; these turn buffer coordinates into such views.
+
+Zeroing a bucket's grads only when something may have written them since they were last zeroed.
+
+Loops that call ``optimizer.zero_grad()`` (which zeros the buffers under fully_shard_optimizer) and then
+``model.zero_grad_buffer()`` as Megatron's do would otherwise write every grad byte twice. Any in-place
+torch op on the buffer or a view of it (a grad hook's add, a user's write through ``main_grad`` or a
+DTensor grad) moves its version counter; a collective does not, so a reduction into the buffer is noted.
+
+ZeRO-2/3's whole-bucket grads of one backward: borrowed from the grads allocator when the first grad
+arrives, handed back once their reduce-scatter has landed in the shard, so a bucket holds whole-bucket
+grads only while its reduction is pending. Each param's record keeps its view of them
+(:meth:`~gradsync.fsdp.sharded_param.ShardedParam.unreduced_grad`).
+
+The weights one rank keeps of a bucket besides its whole compute buffer.
+
+Its shard of the compute weights (ZeRO-3, whose whole buffer exists only between a gather and a release)
+and the main weights its optimizer steps, where those are not the compute weights themselves (another
+dtype, outer ``optim``'s piece, or ZeRO-1/2's exact values beside packed gathers' unpacked ones). These
+copies are what a step, a load or a meta-device init writes; a gather spreads them to every rank.
+
+One bucket's storage and collectives: compute weights, main weights and grads as flat buffers.
 
 Params are views into the bucket's flat compute-weight buffer (zero-copy: a gather or a grad
 reduction works on the buffer itself, never on per-param copies). What is kept whole and what only as
-this rank's shard follows the strategy (:class:`~gradsync.fsdp.strategy.Sharding`). Under ZeRO-3 the
+this rank's shard follows the strategy (:class:`~gradsync.fsdp.settings.Sharding`). Under ZeRO-3 the
 whole compute buffer exists only between :meth:`FlatParamBucket.launch_gather` and
 :meth:`FlatParamBucket.release`, and ZeRO-2/3's whole-bucket grads only until their reduce-scatter is
 done; both come from the bucket's allocators (:mod:`gradsync.fsdp.allocators`), and the params are
@@ -11,16 +37,24 @@ views of the main-weight buffer (or, when the main dtype is the compute dtype, o
 themselves), so its in-place updates land in the buffer.
 
 The bucket holds that state and decides when each step happens; one collaborator per job does it:
-:class:`~gradsync.fsdp.bucket_ranges.BucketRanges` (where this rank's pieces lie),
-:class:`~gradsync.fsdp.kept_weights.KeptWeights` (its weight shard and main weights),
-:class:`~gradsync.fsdp.weight_gather.WeightGather` (the gathers),
-:class:`~gradsync.fsdp.unreduced_grads.UnreducedGrads` (ZeRO-2/3's borrowed grads),
-:class:`~gradsync.fsdp.grad_reduction.GradReducer` (the reductions) and
-:class:`~gradsync.fsdp.grad_zeroing.GradZeroing` (skipped zeroings).
+:class:`~gradsync.fsdp.layout.BucketRanges` (where this rank's pieces lie),
+:class:`~gradsync.fsdp.bucket.KeptWeights` (its weight shard and main weights),
+:class:`~gradsync.fsdp.collectives.WeightGather` (the gathers),
+:class:`~gradsync.fsdp.bucket.UnreducedGrads` (ZeRO-2/3's borrowed grads),
+:class:`~gradsync.fsdp.bucket.GradReducer` (the reductions) and
+:class:`~gradsync.fsdp.bucket.GradZeroing` (skipped zeroings).
+
+A bucket's grad reductions: scale, reduce over the group (or hand to a comm hook), land the result.
+
+The inner stage reduce-scatters into the shard (ZeRO-1/2/3; ZeRO-2/3 add it to the accumulated shard) or
+all-reduces the whole buffer (no_shard); HSDP's outer stage then reduces what this rank's optimizer steps
+over the outer group. Grads reduced earlier in the cycle and set aside (accumulation without
+``no_sync()``) are added back when the last stage ends.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -29,27 +63,156 @@ import torch
 import torch.distributed as dist
 
 from gradsync.buffers.collectives import Launched
-from gradsync.buffers.comm_hook import RegisteredHook
+from gradsync.buffers.comm_hook import HookBucket, RegisteredHook
 from gradsync.buffers.grad_checks import LocalGradNorms
-from gradsync.buffers.low_precision_reduce import GradCommWire
+from gradsync.buffers.low_precision_reduce import GradCommWire, reduce_bucket
 from gradsync.buffers.shard_alignment import shard_alignment_of
 from gradsync.buffers.stats import CommStats
 from gradsync.buffers.wire_format import WireFormat
 
 from .allocators import BucketAllocator, BufferRequest, StorageResizeBucketAllocator
-from .bucket_ranges import BucketRanges
-from .collective_stats import record_collective
-from .flat_views import item_view, item_views
-from .grad_reduction import GradReducer
-from .grad_zeroing import GradZeroing
-from .hsdp import OuterReplication
-from .kept_weights import KeptWeights
-from .layout import BucketLayout, compute_bucket_layout
-from .mixed_precision import MixedPrecisionPolicy
-from .strategy import Sharding
-from .units import BucketSpec
-from .unreduced_grads import UnreducedGrads
-from .weight_gather import WeightGather
+from .collectives import WeightGather, record_collective
+from .layout import (
+    BucketLayout,
+    BucketRanges,
+    BucketSpec,
+    ItemPlacement,
+    OuterReplication,
+    compute_bucket_layout,
+)
+from .settings import MixedPrecisionPolicy, Sharding
+from .torch_internals import version_counter
+
+
+def item_view(tensor: torch.Tensor, base: int, start: int, end: int, shape: torch.Size) -> torch.Tensor:
+    """Buffer coordinates ``[start, end)`` of ``tensor`` (whose first element is coordinate ``base``) as
+    whole rows of a param shaped ``shape``: all of it, or only the rows a rank owns."""
+    flat = tensor[start - base : end - base]
+    if len(shape) <= 1:
+        return flat.view(-1) if len(shape) == 1 else flat.view(shape)
+    return flat.view(-1, *shape[1:])
+
+
+def item_views(buffer: torch.Tensor, items: Sequence[ItemPlacement]) -> list[torch.Tensor]:
+    """Each item's view of the whole-bucket ``buffer``, shaped as its param."""
+    return [item_view(buffer, 0, item.offset, item.end, item.shape) for item in items]
+
+
+class GradZeroing:
+    """Whether one grad buffer may hold anything but zeros."""
+
+    def __init__(self) -> None:
+        self._reduced_into = True
+        self._zeroed_version = -1
+
+    def needed(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` may have been written since :meth:`note_zeroed`."""
+        return self._reduced_into or version_counter(grad) != self._zeroed_version
+
+    def note_zeroed(self, grad: torch.Tensor) -> None:
+        """``grad`` holds zeros now. Called once every bucket is zeroed: coalesced buckets' grads share one
+        storage and so one version counter, which a sibling's zeroing moves."""
+        self._zeroed_version, self._reduced_into = version_counter(grad), False
+
+    def note_reduction(self) -> None:
+        """A collective is about to write the grads."""
+        self._reduced_into = True
+
+
+class UnreducedGrads:
+    """One bucket's borrowed whole-bucket grads."""
+
+    def __init__(
+        self,
+        allocator: BucketAllocator,
+        bucket_id: int,
+        layout: BucketLayout,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """``dtype``: the wire's, as the buffer is reduced in place."""
+        self.allocator, self.bucket_id = allocator, bucket_id
+        self.request = BufferRequest(layout.size, dtype, device)
+        self._buffer: torch.Tensor | None = None
+
+    def buffer(self) -> torch.Tensor:
+        """This backward's whole-bucket grads, zeroed when first asked for."""
+        if self._buffer is None:
+            self._buffer = self.allocator.allocate(self.bucket_id, self.request).zero_()
+        return self._buffer
+
+    def can_take(self) -> bool:
+        """Whether the first grad of this backward would get a buffer now (double buffers can be full)."""
+        return self._buffer is not None or self.allocator.can_allocate(self.bucket_id)
+
+    def drop(self) -> None:
+        """Hand the buffer back (its grads were reduced, or zeroed)."""
+        if self._buffer is not None:
+            self._buffer = None
+            self.allocator.free(self.bucket_id)
+
+
+class KeptWeights:
+    """This rank's weight shard and main weights of one bucket (either may be None)."""
+
+    def __init__(
+        self, weight: torch.Tensor, ranges: BucketRanges, keep_shard: bool, main_dtype: torch.dtype | None
+    ) -> None:
+        """Copies of the whole compute buffer ``weight``; ``main_dtype`` None: the optimizer steps the
+        compute weights."""
+        self.ranges = ranges
+        self.shard = weight[ranges.shard_lo : ranges.shard_hi].clone() if keep_shard else None
+        lo, hi = ranges.main
+        self.main = None if main_dtype is None else weight[lo:hi].to(main_dtype, copy=True)
+
+    def optimizer_source(self, weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The tensor the optimizer's params view (of these, else the compute buffer ``weight``), and the
+        buffer coordinate of its first element."""
+        if self.main is not None:
+            return self.main, self.ranges.main[0]
+        if self.shard is not None:
+            return self.shard, self.ranges.shard_lo
+        return weight, 0
+
+    def install(self, weight: torch.Tensor) -> None:
+        """Copy the optimizer's updated main weights into this rank's part of the compute weights: the
+        kept shard, else the compute buffer ``weight``."""
+        if self.main is None:
+            return
+        lo, hi = self.ranges.main
+        base = self.ranges.shard_lo
+        with torch.no_grad():
+            target = weight[lo:hi] if self.shard is None else self.shard[lo - base : hi - base]
+            target.copy_(self.main)
+
+    def write(self, weight: torch.Tensor, item: ItemPlacement, value: torch.Tensor) -> None:
+        """Set ``item`` to ``value`` (the whole param) in the compute weights this rank keeps (the compute
+        buffer ``weight`` when no shard is kept) and in the main weights."""
+        flat = value.reshape(-1)
+        with torch.no_grad():
+            if self.shard is None:
+                weight[item.offset : item.end].copy_(flat)
+            else:
+                _copy_overlap(self.shard, self.ranges.shard_lo, flat, item)
+            if self.main is not None:
+                _copy_overlap(self.main, self.ranges.main[0], flat, item)
+
+    def reset(self, weight: torch.Tensor) -> None:
+        """Re-derive both from the whole compute buffer ``weight``."""
+        with torch.no_grad():
+            if self.shard is not None:
+                self.shard.copy_(weight[self.ranges.shard_lo : self.ranges.shard_hi])
+            if self.main is not None:
+                lo, hi = self.ranges.main
+                self.main.copy_(weight[lo:hi])
+
+
+def _copy_overlap(target: torch.Tensor, base: int, flat: torch.Tensor, item: ItemPlacement) -> None:
+    """Copy the part of ``flat`` (item ``item``'s values) that ``target`` (starting at buffer coordinate
+    ``base``) covers."""
+    start, end = max(item.offset, base), min(item.end, base + target.numel())
+    if start < end:
+        target[start - base : end - base].copy_(flat[start - item.offset : end - item.offset])
 
 
 class BucketStatus(Enum):
@@ -125,7 +288,7 @@ def bucket_layout(
 class FlatParamBucket:
     """The flat buffers of one bucket and the collectives that keep them in sync across ``group``: grads
     are reduced over ``group``, weights gathered over ``gather_group`` (the gather lane,
-    :mod:`gradsync.fsdp.lanes`: the same ranks, so a gather does not queue behind a reduction; default
+    :mod:`gradsync.fsdp.collectives`: the same ranks, so a gather does not queue behind a reduction; default
     ``group``)."""
 
     def __init__(
@@ -387,3 +550,134 @@ class FlatParamBucket:
     def note_reduction(self) -> None:
         """A collective is about to write this bucket's grads (see :meth:`zero_grad`)."""
         self._zeroing.note_reduction()
+
+
+class GradReducer:
+    """Reduces one bucket's grads into its grad buffer, with the reduction settings the bucket holds."""
+
+    def __init__(self, bucket: FlatParamBucket) -> None:
+        self._bucket = weakref.ref(bucket)
+        self._reduced_earlier: torch.Tensor | None = None  # see set_aside
+
+    @property
+    def bucket(self) -> FlatParamBucket:
+        """The bucket, held weakly: it owns its reducer, and a dropped bucket (with its buffers) is freed
+        by reference counting, without waiting for the cycle collector."""
+        bucket = self._bucket()
+        assert bucket is not None, "the bucket was dropped"
+        return bucket
+
+    def launch(self, reduction: GradReduction, norms: LocalGradNorms | None) -> Launched:
+        """The inner stage. ``norms``: record the local grads' norm first, on the device (the NaN check
+        reads it at ``finish_grad_sync``)."""
+        bucket = self.bucket
+        assert bucket.grad is not None
+        if bucket.sharding.shard_grads:
+            wire = bucket.unreduced.buffer()  # zeros when no param of the bucket got a grad
+        else:
+            grad = bucket.grad
+            wire = grad if bucket.comm_dtype == bucket.grad_dtype else grad.to(bucket.comm_dtype)
+        if norms is not None:
+            norms.record(bucket.bucket_id, wire)
+        if bucket.comm_hook is not None:
+            launched = self._launch_hook(wire, reduction)
+            bucket.record("all_reduce", wire, bucket.group)
+        else:
+            factor = reduction.factor_for(bucket)
+            if factor != 1.0:
+                wire.mul_(factor)
+            scatter = bucket.sharding.shard_main
+            launched, sent = reduce_bucket(
+                wire, bucket.group, bucket.grad_comm, bucket.bucket_id, scatter=scatter,
+                average=reduction.average, cuts=bucket.ranges.inner_cuts, label=bucket.label,
+            )  # fmt: skip
+            bucket.record("reduce_scatter" if scatter else "all_reduce", wire, bucket.group, sent)
+        launched.after.append(lambda: self.finish(wire))
+        return launched
+
+    def _launch_hook(self, wire: torch.Tensor, reduction: GradReduction) -> Launched:
+        """Hand the whole-bucket ``wire`` to the comm hook, which averages it over the group (as torch's
+        hooks do): scaled first so that mean is the reduction asked for. Sharded strategies then keep
+        their shard of the all-reduced bucket."""
+        bucket = self.bucket
+        assert bucket.comm_hook is not None
+        scale = reduction.factor_for(bucket) * (1 if reduction.average else bucket.group.size())
+        if scale != 1.0:
+            wire.mul_(scale)
+        views = item_views(wire, bucket.layout.items)  # each param's grads, as the hook sees them
+        hooked = HookBucket(wire, bucket.spec.params, views, bucket.hook_index)
+        work = bucket.comm_hook.launch(hooked)
+        return Launched([work]).record("all_reduce", f"{bucket.label}.hook", wire, bucket.group)
+
+    def finish(self, wire: torch.Tensor) -> None:
+        """Land the reduced ``wire`` (the bucket's grads on the wire) in the grad buffer."""
+        bucket = self.bucket
+        assert bucket.grad is not None
+        if bucket.sharding.shard_grads:
+            self.finish_shard(wire[bucket.ranges.shard_lo : bucket.ranges.shard_hi])
+            return
+        if wire is not bucket.grad:
+            bucket.grad.copy_(wire)
+        if bucket.outer is None:  # otherwise the outer stage ends the reduction
+            self._add_back_reduced()
+
+    def finish_shard(self, shard: torch.Tensor) -> None:
+        """Land this rank's reduced shard (a reduce-scatter's result) in the grad buffer."""
+        bucket = self.bucket
+        assert bucket.grad is not None
+        if bucket.sharding.shard_grads:
+            bucket.grad.add_(shard)
+            bucket.unreduced.drop()
+        else:
+            bucket.grad[bucket.ranges.shard_lo : bucket.ranges.shard_hi].copy_(shard)
+        if bucket.outer is None:
+            self._add_back_reduced()
+
+    def launch_outer(self, reduction: GradReduction) -> Launched:
+        """The cycle's outer stage: all-reduce the grads this rank's optimizer steps over the outer group
+        (outer ``no_shard``), or reduce-scatter the inner grad shard into this rank's piece (``optim``).
+        The inner stage already applied the scaling factor."""
+        bucket, outer = self.bucket, self.bucket.outer
+        assert outer is not None
+        assert bucket.grad is not None
+        region = bucket.grad if outer.shard else self._stepped_grads()
+        wire = region if bucket.comm_dtype == region.dtype else region.to(bucket.comm_dtype)
+        launched, sent = reduce_bucket(
+            wire, outer.group, bucket.grad_comm, (bucket.bucket_id, "outer"), scatter=outer.shard,
+            average=reduction.average, cuts=bucket.ranges.outer_cuts, label=f"{bucket.label}.outer",
+        )  # fmt: skip
+        if wire is not region:
+
+            def copy_back() -> None:
+                region.copy_(wire)
+
+            launched.after.append(copy_back)
+        launched.after.append(self._add_back_reduced)
+        bucket.record("reduce_scatter" if outer.shard else "all_reduce", wire, outer.group, sent)
+        return launched
+
+    def set_aside(self) -> None:
+        """A grad arrives after this cycle's final reduction (accumulation without ``no_sync()``): keep the
+        reduced grads the optimizer reads apart and zero the buffer, so the next reduction sees only new
+        grads; it adds them back when it ends. The sum of reduced grads is what ZeRO-2/3 accumulate."""
+        assert self.bucket.grad is not None
+        assert self._reduced_earlier is None, "set aside twice without a reduction in between"
+        self._reduced_earlier = self._stepped_grads().clone()
+        self.bucket.grad.zero_()
+
+    def forget_set_aside(self) -> None:
+        """The grads were zeroed: what was set aside is gone with them."""
+        self._reduced_earlier = None
+
+    def _add_back_reduced(self) -> None:
+        if self._reduced_earlier is not None:
+            self._stepped_grads().add_(self._reduced_earlier)
+            self._reduced_earlier = None
+
+    def _stepped_grads(self) -> torch.Tensor:
+        """The part of the grad buffer this rank's optimizer steps."""
+        grad = self.bucket.grad
+        assert grad is not None
+        lo, hi = self.bucket.ranges.main
+        base = self.bucket.ranges.grad[0]
+        return grad[lo - base : hi - base]

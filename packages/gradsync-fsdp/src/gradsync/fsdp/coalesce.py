@@ -41,10 +41,8 @@ from gradsync.buffers.grad_checks import LocalGradNorms
 from gradsync.buffers.low_precision_reduce import reduce_bucket
 
 from .bucket import BucketStatus, FlatParamBucket, GradReduction
-from .layout import BucketLayout
-from .mixed_precision import MixedPrecisionPolicy
-from .strategy import Sharding
-from .units import BucketSpec
+from .layout import BucketLayout, BucketSpec
+from .settings import MixedPrecisionPolicy, Sharding
 
 
 def plan_reduction_groups(

@@ -22,14 +22,12 @@ from gradsync.buffers.shard_alignment import ShardAlignmentSpec
 from gradsync.buffers.wrapper_claims import live_owner
 from gradsync.groups import FSDPDistributedIndex
 
-from .dcp import describe_optimizer_state
-from .device_choice import choose_device
+from .layout import UnitEntry
 from .local_step import LENDING_ATTR, local_tensors_for_step
 from .megatron_fsdp import MegatronFSDP
 from .meta_init import ParamInitFn
-from .mixed_precision import MixedPrecisionPolicy
-from .strategy import STRATEGY_NAMES, parse_strategy
-from .units import UnitEntry
+from .ragged import describe_optimizer_state
+from .settings import STRATEGY_NAMES, MixedPrecisionPolicy, choose_device, parse_strategy
 
 
 def fully_shard_model(

@@ -1,17 +1,48 @@
-"""The autograd plumbing of MegatronFSDP: per-module training state, the post-backward trigger on a
-unit's inputs, and the hooks that fire on the first grad of a module's outputs."""
+"""The autograd plumbing of MegatronFSDP and the names of its phases in a profiler trace.
+
+Names for MegatronFSDP's phases in a ``torch.profiler`` trace (``MegatronFSDP::pre_forward``, ...), as
+torch FSDP2's hooks carry theirs, so a profile says which of gradsync's phases the host time goes to. A
+phase is labelled only while a profiler runs: outside one, a label would cost every unit a
+``record_function`` call in every phase.
+
+The autograd plumbing of MegatronFSDP: per-module training state, the post-backward trigger on a
+unit's inputs, and the hooks that fire on the first grad of a module's outputs.
+"""
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from enum import Enum, auto
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
+from torch.autograd import profiler as autograd_profiler
 
 from .torch_internals import pytree
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def labelled(phase: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Run the decorated function inside ``record_function("MegatronFSDP::<phase>")`` while profiling."""
+    label = f"MegatronFSDP::{phase}"
+
+    def decorate(function: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(function)
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            if not autograd_profiler._is_profiler_enabled:  # set by torch.profiler.profile too
+                return function(*args, **kwargs)
+            with torch.profiler.record_function(label):
+                return function(*args, **kwargs)
+
+        return call
+
+    return decorate
+
 
 H = TypeVar("H", bound=Callable[..., Any])
 

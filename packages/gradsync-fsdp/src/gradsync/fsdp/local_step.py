@@ -25,7 +25,7 @@ param way.
 
 ``fully_shard_optimizer`` lends them around every step. An optimizer built by hand on the DTensor params
 (the fsdp2 API's users build torch's own, as with torch's ``fully_shard``) is adopted at its first step
-(:mod:`gradsync.fsdp.optimizer_hooks`): its later steps are wrapped the same way, for torch's element-wise
+(:mod:`gradsync.fsdp.optimizer_facing`): its later steps are wrapped the same way, for torch's element-wise
 optimizers only (a matrix optimizer on the locals would see shards for whole matrices). Wrapped, not
 hooked: the DTensors must go back even when the step raises, and torch skips an optimizer's post-step
 hooks then, which would leave it holding the locals.
@@ -369,7 +369,7 @@ def split_state_as_params(optimizer: torch.optim.Optimizer) -> None:
     """Give state that torch's ops built as plain DTensors (a torch that runs a DTensor subclass's ops in
     C++, 2.11, drops a :class:`RaggedDTensor`'s split from their outputs) its param's split, so it gathers
     and checkpoints as the param does. Run after every step of an optimizer holding MegatronFSDP's params
-    (:mod:`gradsync.fsdp.optimizer_hooks`), the materialising step of ``fully_shard_optimizer`` included."""
+    (:mod:`gradsync.fsdp.optimizer_facing`), the materialising step of ``fully_shard_optimizer`` included."""
     for param, state in optimizer.state.items():
         if not isinstance(param, RaggedDTensor):
             continue

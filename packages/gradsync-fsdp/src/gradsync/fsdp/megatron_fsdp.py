@@ -1,4 +1,13 @@
-"""MegatronFSDP: sharded data parallelism over flat, zero-copy param/grad buffers.
+"""MegatronFSDP, and torch DDP's comm-hook protocol on its buckets.
+
+torch DDP's comm-hook protocol on MegatronFSDP's buckets (gradsync's addition, as on gradsync-ddp's
+wrapper), so torch's own hooks run unchanged, PowerSGD among them.
+
+A hook averages a whole bucket over the data-parallel group; the sharded strategies keep their shard of
+it, so the wire carries what the hook sends (an all-reduce's traffic with torch's hooks) instead of a
+reduce-scatter.
+
+MegatronFSDP: sharded data parallelism over flat, zero-copy param/grad buffers.
 
 Deliberate differences from Megatron-FSDP v1 (all in docs/megatron-migration.md): the caller's config is never
 mutated; gradients are never silently left unreduced (``is_last_microbatch`` defaults to True and
@@ -6,7 +15,7 @@ mutated; gradients are never silently left unreduced (``is_last_microbatch`` def
 ``no_sync()`` reduces again and sums); ``parameters()`` always yields the optimizer's DTensor params;
 ZeRO-1/2 replicas are refreshed after every ``install_optimized_model_weights`` (and the first forward
 after a torch optimizer stepped the model's params installs the weights itself if nobody did:
-:mod:`gradsync.fsdp.step_tracking`); ``sync()``/``no_sync()`` restore the previous value; ZeRO-3 releases
+:mod:`gradsync.fsdp.schedule`); ``sync()``/``no_sync()`` restore the previous value; ZeRO-3 releases
 non-unit buckets after every backward.
 
 The class is the module-facing API; each job behind it has a module of its own, built in this order:
@@ -14,7 +23,7 @@ The class is the module-facing API; each job behind it has a module of its own, 
 :mod:`~gradsync.fsdp.bucket_set` builds the buckets; :mod:`~gradsync.fsdp.assembly` builds the rest:
 one :class:`~gradsync.fsdp.sharded_param.ShardedParam` per param, the schedules, the hooks
 (:mod:`~gradsync.fsdp.training_hooks`), the weights' installs and gathers
-(:mod:`~gradsync.fsdp.weight_sync`) and the cycle's end (:mod:`~gradsync.fsdp.step_control`). The
+(:mod:`~gradsync.fsdp.step_control`) and the cycle's end (:mod:`~gradsync.fsdp.step_control`). The
 optimizer-facing half of the API is the base class, :mod:`~gradsync.fsdp.optimizer_facing`.
 """
 
@@ -25,26 +34,54 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gradsync.buffers import DistributedDataParallelConfig
-from gradsync.buffers.comm_hook import CommHook
+from gradsync.buffers.comm_hook import CommHook, RegisteredHook, check_hook
 from gradsync.buffers.shard_alignment import ShardAlignmentSpec, ShardBalance
 from gradsync.groups import FSDPDistributedIndex
 
 from .allocators import AllocatorStats
 from .assembly import WrapperCalls, assemble
-from .bucket import PrefetchOrder
+from .bucket import FlatParamBucket, PrefetchOrder
 from .bucket_set import build_bucket_set
-from .comm_hooks import register_bucket_hook
-from .labels import labelled
-from .lanes import gather_group
+from .collectives import gather_group
+from .hooks import labelled
+from .layout import OuterReplication, UnitEntry, find_units
 from .meta_init import ParamInitFn
-from .mixed_precision import MixedPrecisionPolicy
 from .optimizer_facing import OptimizerFacing
-from .preparation import WrapArguments, prepare_wrap
-from .support import refuse_fine_grained_gathers
-from .units import UnitEntry, find_units
+from .preparation import WrapArguments, prepare_wrap, refuse_fine_grained_gathers
+from .settings import MixedPrecisionPolicy
+
+
+def register_bucket_hook(
+    buckets: Sequence[FlatParamBucket],
+    config: DistributedDataParallelConfig,
+    outer: OuterReplication | None,
+    group: dist.ProcessGroup,
+    state: object,
+    hook: CommHook,
+) -> None:
+    """Reduce each bucket that takes grads with ``hook(state, bucket)``, numbered from the model's end as
+    torch DDP numbers them. Refused where the buckets are already reduced another way."""
+    if config.grad_comm_dtype is not None:
+        raise ValueError(
+            "MegatronFSDP.register_comm_hook: grad_comm_dtype already sets how buckets are reduced; "
+            "unset it, or keep it and register no hook"
+        )
+    if outer is not None:
+        raise NotImplementedError(
+            "MegatronFSDP.register_comm_hook: HSDP reduces in two stages over two groups, and a hook "
+            "reduces over one; not supported with an outer data-parallel group"
+        )
+    check_hook("MegatronFSDP", state, hook, group)
+    reducing = [bucket for bucket in buckets if bucket.grad is not None]
+    if any(bucket.comm_hook is not None for bucket in reducing):
+        raise RuntimeError("MegatronFSDP.register_comm_hook can only be called once")
+    registered = RegisteredHook(state, hook, len(reducing))
+    for index, bucket in enumerate(reversed(reducing)):
+        bucket.comm_hook, bucket.hook_index = registered, index
 
 
 class MegatronFSDP(OptimizerFacing):
@@ -98,7 +135,7 @@ class MegatronFSDP(OptimizerFacing):
         param name (:mod:`gradsync.buffers.shard_alignment`): ``row`` (default), ``tensor`` (whole on one
         rank, as Muon needs) or ``block:k`` / ``block:RxC``. ``gather_lane`` (gradsync's addition): param
         all-gathers run on a group of their own over the shard group's ranks, so they never queue behind
-        grad reductions (:mod:`gradsync.fsdp.lanes`); False keeps them on the shard group.
+        grad reductions (:mod:`gradsync.fsdp.collectives`); False keeps them on the shard group.
 
         Before any other collective (the gather lane's group included), one collective checks that every
         data-parallel rank wraps the same params with the same config, strategy, units, mixed precision
@@ -217,6 +254,17 @@ class MegatronFSDP(OptimizerFacing):
         return self._hooks.gathers.chosen_prefetch
 
     @property
+    def raw_param(self) -> dict[str, nn.Parameter]:
+        """Megatron-FSDP's name -> param map of the wrapped module's own (compute) params, tied ones once,
+        named as in the wrapped module: a view over the records, built when read."""
+        return {record.name: record.compute for record in self.params}
+
+    @property
+    def param_to_name(self) -> dict[nn.Parameter, str]:
+        """Megatron-FSDP's param -> name map, the inverse of :attr:`raw_param`."""
+        return {record.compute: record.name for record in self.params}
+
+    @property
     def grads_pending(self) -> bool:
         """Whether a backward ran since the cycle's grads were last handed to the optimizer's params."""
         return self._step.cycle.grads_pending
@@ -263,7 +311,7 @@ class MegatronFSDP(OptimizerFacing):
 
     def _replace_param_with_distributed_if_needed(self) -> None:
         """The wrapped modules hold the optimizer's DTensor params, as a parent module or
-        ``torch.compile``'s wrapper then sees them (:mod:`gradsync.fsdp.registration`)."""
+        ``torch.compile``'s wrapper then sees them (:mod:`gradsync.fsdp.sharded_param`)."""
         self._hooks.registry.show_optimizer()
 
     def _cycle_ends(self) -> bool:
@@ -345,7 +393,7 @@ class MegatronFSDP(OptimizerFacing):
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket's grads with ``hook(state, bucket)``, torch DDP's protocol
-        (:mod:`gradsync.fsdp.comm_hooks`). Register it once, before the first backward."""
+        (:mod:`gradsync.fsdp.megatron_fsdp`). Register it once, before the first backward."""
         group = self.dist_index.get_fsdp_group()
         register_bucket_hook(self.buckets, self.ddp_config, self.outer, group, state, hook)
 

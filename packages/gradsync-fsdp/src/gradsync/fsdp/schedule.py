@@ -1,4 +1,29 @@
-"""When MegatronFSDP communicates: which gathers run ahead of use, and when each bucket's grads are reduced.
+"""When MegatronFSDP communicates, and the cycle state those schedules read.
+
+Where a MegatronFSDP model is in its training cycle (``zero_grad_buffer()`` to the optimizer step).
+
+The forward and backward hooks write these facts and the step's checks read them; one object holds them so
+both sides see the same state, and a step abandoned part-way can be told from a finished one.
+
+Which MegatronFSDP models an optimizer step has updated, so their next forward installs the weights.
+
+The optimizer's in-place updates of the DTensor shards leave no trace a model could read on every rank
+alike (a rank owning no rows of a bucket sees nothing change, and DTensor updates do not bump the flat
+buffer's version counter). A post-step hook of each optimizer holding a model's params
+(:mod:`gradsync.fsdp.optimizer_facing`) marks the model after every step, on every rank: a
+rank-consistent "stepped" flag, cleared by ``install_optimized_model_weights()``.
+
+``suggested_communication_unit_size``: how many elements MegatronFSDP communicates at once.
+
+Half of it bounds the all-gather prefetch (how many following units are gathered ahead), all of it the
+elements of grad reductions allowed in flight before the oldest is waited for. Unset, it is twice the
+average unit for ZeRO-3 (so one unit is prefetched), else ``bucket_size``, else 1e9; and unset, ZeRO-1/2
+prefetch every unit (:func:`prefetch_size`). The reference docs
+say a smaller value means less prefetching; the reference code floors the value at 1e9 (a min/max
+mix-up by its own comment, "Cap to 1B"), which would make any smaller setting meaningless, so gradsync
+caps it at 1e9 instead.
+
+When MegatronFSDP communicates: which gathers run ahead of use, and when each bucket's grads are reduced.
 
 :class:`GatherSchedule` gathers a unit's buckets and prefetches the next units in forward or backward
 order within a budget of elements. :class:`ReduceSchedule` counts each bucket's grads as they arrive
@@ -16,10 +41,11 @@ count. The wrapper decides *what* happens in its hooks; these two decide *when* 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from gradsync.buffers import watchdog
+from gradsync.buffers import DistributedDataParallelConfig, watchdog
 from gradsync.buffers.collectives import Launched, chain
 from gradsync.buffers.grad_arrivals import GradArrivals
 from gradsync.buffers.grad_checks import LocalGradNorms
@@ -27,11 +53,74 @@ from gradsync.buffers.grad_checks import LocalGradNorms
 from .allocators import BucketAllocator
 from .bucket import BucketStatus, FlatParamBucket, GradReduction
 from .coalesce import ReductionGroup
-from .hsdp import OuterReplication
-from .labels import labelled
+from .hooks import labelled
+from .layout import OuterReplication
+from .settings import Sharding
 from .sharded_param import ShardedParam
-from .step_tracking import StepMarks
-from .strategy import Sharding
+
+
+@dataclass
+class Cycle:
+    """The facts of the current cycle, each with the event that sets and clears it."""
+
+    in_backward: bool = False
+    """The root's pre-backward ran and its post-backward not (yet, or ever: a backward that raised)."""
+    grads_pending: bool = False
+    """A backward ran since the last ``finish_grad_sync()`` / ``zero_grad_buffer()``."""
+    backward_ran: bool = True
+    """A backward ran since ``zero_grad_buffer()`` (True before the first: unknown)."""
+    forward_unsynced: bool = False
+    """A training forward ran since the last sync or ``zero_grad_buffer()``."""
+    forwards_awaiting_backward: int = 0
+    """Training forwards whose backward has not ended: while any, the modules keep the compute params."""
+    grads_finished: bool = False
+    """``finish_grad_sync()`` ran since the last backward: a second call changes nothing."""
+    microbatch_count: int = 0
+    """Backwards since the last ``finish_grad_sync()``."""
+
+
+class StepMarks:
+    """What an optimizer step leaves on a model, recorded in this one place: the updated weights await
+    their install (until ``install_optimized_model_weights()``), and the grad buffers hold the grads the
+    step consumed, so no grad may be added to them (until ``zero_grad_buffer()`` starts a new cycle)."""
+
+    __slots__ = ("grads_consumed", "weights_uninstalled")
+
+    def __init__(self) -> None:
+        self.weights_uninstalled = False
+        self.grads_consumed = False
+
+    def mark(self) -> None:
+        self.weights_uninstalled = self.grads_consumed = True
+
+
+CAP = 1_000_000_000
+
+
+def communication_unit_size(
+    config: DistributedDataParallelConfig, shards_params: bool, unit_sizes: Sequence[int]
+) -> int:
+    """Elements per communication unit, from the config and the units' sizes (in elements)."""
+    value = config.suggested_communication_unit_size
+    if value is not None and value < 0:
+        raise ValueError(
+            f"suggested_communication_unit_size={value} must be >= 0 (0 turns all-gather prefetch off)"
+        )
+    if value is None:
+        if shards_params and unit_sizes:
+            value = 2 * sum(unit_sizes) // len(unit_sizes)
+        else:
+            value = config.bucket_size if config.bucket_size is not None else CAP
+    return min(CAP, value)
+
+
+def prefetch_size(config: DistributedDataParallelConfig, shards_params: bool, unit_size: int) -> int:
+    """Elements gathers may prefetch: half the communication unit, or, with the unit size unset and the
+    weights kept whole (ZeRO-1/2), everything: prefetching then costs no memory, and a gather waited
+    unit by unit would be exposed in full."""
+    if config.suggested_communication_unit_size is None and not shards_params:
+        return CAP
+    return unit_size // 2
 
 
 class GatherSchedule:

@@ -23,21 +23,19 @@ from torch.utils.hooks import RemovableHandle
 from gradsync.groups.torch_internals import queue_backward_end_callback
 
 from .bucket_set import BucketSet
-from .cycle import Cycle
 from .hooks import (
     TrainingState,
     attach_post_backward,
     get_state,
+    labelled,
     on_first_output_grad,
     outside_compile,
     set_state,
     weak_method,
 )
-from .labels import labelled
-from .registration import ParamRegistry
-from .schedule import GatherSchedule, ReduceSchedule
-from .sharded_param import ShardedParams
-from .strategy import Sharding
+from .schedule import Cycle, GatherSchedule, ReduceSchedule
+from .settings import Sharding
+from .sharded_param import ParamRegistry, ShardedParams
 
 
 class TrainingHooks:

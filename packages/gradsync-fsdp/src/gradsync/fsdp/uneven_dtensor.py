@@ -9,7 +9,7 @@ of ``Shard`` / ``_StridedShard`` / ``Replicate`` placements (gradsync's ``(shard
 meshes included), and for ranks that own nothing.
 
 Where each rank's chunk starts: the chunk attached to the local tensor (``__create_chunk_list__``:
-gradsync's :func:`~gradsync.fsdp.dcp.describe_shard` puts it on every sharded optimizer param, and
+gradsync's :func:`~gradsync.fsdp.ragged.describe_shard` puts it on every sharded optimizer param, and
 :func:`update_uneven_dtensor_chunk_metadata` on anything it has seen), else computed by
 :func:`gather_and_compute_chunk_metadata` (a collective), as the reference does.
 

@@ -9,7 +9,7 @@ with torch, the params are then the optimizer's DTensor shards, the module is th
 class swapped to ``FSDP<Class>`` (an :class:`FSDPModule`), and ``model(x)``, ``loss.backward()``,
 ``optimizer.step()``, ``optimizer.zero_grad()`` train it: each backward that ends an accumulation cycle
 reduces the grads and hands them to the DTensors (auto-sync), the step marks the model (a
-post-step hook, :mod:`~gradsync.fsdp.optimizer_hooks`), and the next forward zeroes the grad buffers and
+post-step hook, :mod:`~gradsync.fsdp.optimizer_facing`), and the next forward zeroes the grad buffers and
 installs the updated weights. A marked module that no later call covers becomes a root on its own when
 first used (its ``parameters()``, a forward, an FSDPModule method), as ``fully_shard(model)`` alone needs.
 

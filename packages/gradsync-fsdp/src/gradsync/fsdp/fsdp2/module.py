@@ -1,21 +1,128 @@
 """``FSDPModule``: the class ``fully_shard`` swaps in, with the FSDP2 methods that map onto MegatronFSDP;
-the others raise, naming the way out."""
+the others raise, naming the way out.
+
+What ``fully_shard`` records on each module (its call, then its root and unit id), the root's flags, and
+the marks and roots themselves: a call on a module that holds no marked module marks it as a unit (its
+class swapped to ``FSDP<Class>``); the call on the module holding marked ones builds one MegatronFSDP over
+them all (:mod:`.root`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
+from gradsync.buffers.torch_internals import local_tensor
+
 from ..bucket import FlatParamBucket
+from ..hooks import outside_compile
 from ..megatron_fsdp import MegatronFSDP
-from . import root as _roots
-from .state import _Root, _state
+from ..torch_internals import detach_for_saving
+from .root import _Call, _cast_at_boundaries, _megatron_fsdp
+
+STATE_ATTR = "_gradsync_fsdp2"
+"""Where a module passed to ``fully_shard`` keeps its :class:`State`."""
+
+
+class _Root:
+    """The MegatronFSDP of a root call and the FSDP2 flags that decide where an accumulation cycle ends."""
+
+    def __init__(self, fsdp: MegatronFSDP, ignored: frozenset[nn.Parameter]) -> None:
+        self.fsdp = fsdp
+        self.ignored = ignored
+        self.requires_gradient_sync = True
+        self.is_last_backward = True
+        self.manual_finalization = False
+        self.post_optim_event: Any = None
+        self.apply_flags()
+
+    def apply_flags(self) -> None:
+        """Without gradient sync the backward defers what it can (``no_sync``); a backward with sync that
+        is also the last one reduces everything and gives the DTensors their grads (auto-sync), unless
+        the caller finalizes (``finalize_backward()``)."""
+        self.fsdp.is_last_microbatch = self.requires_gradient_sync
+        ends = self.requires_gradient_sync and self.is_last_backward and not self.manual_finalization
+        self.fsdp.set_model_auto_sync(ends)
+
+    def wait_post_optim_event(self, module: nn.Module, args: Any) -> None:
+        """The event given by ``set_post_optim_event``: the current stream (on which gradsync's gathers
+        are issued) waits for it once, at the next forward."""
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is not None:
+            event.wait()
+
+    def start_cycle_after_step(self, module: nn.Module, args: Any) -> None:
+        """A forward after an optimizer step starts a new cycle: torch users zero the DTensors' grads
+        (``optimizer.zero_grad()``), gradsync must zero its grad buffers too. So does a forward after a
+        step that raised (a backward or a loss that raised on this rank, which then abandons the step
+        as ``zero_grad_buffer()`` does, so every rank raises; or the vote that named another rank).
+        Grads still set (not zeroed) would be summed into the next step in torch; the buffers hold one
+        cycle, so refuse.
+
+        Grads set to None (torch's ``zero_grad()``) are seen on the host: then nothing is read from the
+        device and the step has no host sync, as MegatronFSDP's. Only grads still set (zeroed in place
+        by ``zero_grad(set_to_none=False)``, or never zeroed) have their values checked, with one host
+        read. Whether grads are set is the same on every rank: each rank holds a grad for every trained
+        param, an empty one where it owns no rows (the record's ``optimizer_grad``), so every rank takes
+        the same branch and posts the same collectives."""
+        if not self.fsdp.steps.grads_consumed:
+            if self.fsdp.step_left_broken:  # the last step raised (here or elsewhere): settle it now
+                self.fsdp.zero_grad_buffer()
+            return
+        named = [(n, local_tensor(p.grad)) for n, p in self.fsdp.named_parameters() if p.grad is not None]
+        if named:
+            self._refuse_grads_carried_over(named)
+        self.fsdp.zero_grad_buffer()
+
+    def _refuse_grads_carried_over(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Raise on every rank when any rank's grads are not all zero."""
+        norms = torch._foreach_norm([grad for _, grad in named])
+        # one all-reduced flag: every rank refuses alike (a rank whose shards are all empty would
+        # otherwise go on into the forward's gathers), and one host read per step, not one per param
+        kept = torch.stack(list(norms)).sum()
+        dist.all_reduce(kept, op=dist.ReduceOp.MAX, group=self.fsdp.dist_index.get_dp_group())
+        if float(kept) > 0:
+            first = next((n for (n, _), norm in zip(named, norms, strict=True) if float(norm) > 0), "?")
+            raise RuntimeError(
+                "fully_shard: a forward after optimizer.step() found grads still set (first "
+                f"{first.removeprefix('module.')!r} here, or on another rank): gradsync's grad buffers hold "
+                "one accumulation cycle, so grads cannot carry over to the next step; call "
+                "optimizer.zero_grad() after optimizer.step()"
+            )
+
+
+@dataclasses.dataclass
+class _State:
+    """What ``fully_shard`` recorded on a module: its call, and once built, its root and unit id (None
+    for the root itself). ``building`` while a MegatronFSDP is being laid out over it."""
+
+    call: _Call
+    root: _Root | None = None
+    unit_id: int | None = None
+    building: bool = False
+
+
+_PENDING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Marked modules no root call has covered yet."""
+
+
+def _state(module: nn.Module) -> _State:
+    state = module.__dict__.get(STATE_ATTR)
+    assert isinstance(state, _State), "a module fully_shard recorded"
+    return state
+
+
+def _is_root(state: _State) -> bool:
+    return state.root is not None and state.unit_id is None
 
 
 class UnshardHandle:
@@ -70,12 +177,12 @@ class FSDPModule(nn.Module):
 
     def _fsdp2_root(self) -> _Root:
         state = _state(self)
-        return state.root if state.root is not None else _roots._resolve_alone(self, forward=False)
+        return state.root if state.root is not None else _resolve_alone(self, forward=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = _state(self)
         if state.root is None and not state.building:
-            _roots._resolve_alone(self, forward=True)
+            _resolve_alone(self, forward=True)
         return super().__call__(*args, **kwargs)
 
     def named_parameters(
@@ -85,7 +192,7 @@ class FSDPModule(nn.Module):
         optimizer's DTensors then, as torch's right after fully_shard."""
         state = _state(self)
         if state.root is None and not state.building:
-            _roots._resolve_alone(self, forward=False)
+            _resolve_alone(self, forward=False)
         return super().named_parameters(prefix, recurse, remove_duplicate)
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
@@ -385,3 +492,86 @@ class FSDPModule(nn.Module):
     reset_iter_state = _not_supported(
         "reset_iter_state", "after a failed forward or backward, rebuild the model and optimizer"
     )
+
+
+_FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _as_fsdp(module: nn.Module) -> FSDPModule:
+    assert isinstance(module, FSDPModule)
+    return module
+
+
+def _swap_class(module: nn.Module) -> None:
+    """``FSDP<Class>``: FSDPModule's methods first, then the module's own, as torch does."""
+    cls = type(module)
+    fsdp_cls = _FSDP_CLASSES.get(cls)
+    if fsdp_cls is None:
+        fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        _FSDP_CLASSES[cls] = fsdp_cls
+    module.__class__ = fsdp_cls
+
+
+def _mark(module: nn.Module, call: _Call) -> None:
+    module.__dict__[STATE_ATTR] = _State(call)
+    _swap_class(module)
+    _PENDING.add(module)
+
+
+def _marked_inside(module: nn.Module) -> list[FSDPModule]:
+    return [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
+
+
+def _resolve_alone(module: nn.Module, *, forward: bool) -> _Root:
+    """A marked module used before any call covered it: a root of its own, as in torch (whose first
+    forward picks the root). A forward while other marks wait is refused: the usual cause is a
+    forgotten root call, and an optimizer built meanwhile holds the unsharded params."""
+    waiting = [m for m in _PENDING if m is not module]
+    if forward and waiting:
+        raise RuntimeError(
+            f"fully_shard: {type(module).__name__} runs forward while {len(waiting)} other module(s) passed "
+            f"to fully_shard (first {type(waiting[0]).__name__}) wait for a root call; call fully_shard on "
+            "the module that holds them all, last, and build the optimizer after it (for separate models, "
+            "read each one's parameters() before its first forward)"
+        )
+    _build_root(module, _state(module).call, [])
+    root = _state(module).root
+    assert root is not None
+    return root
+
+
+def _build_root(module: nn.Module, call: _Call, units: list[FSDPModule]) -> None:
+    """One MegatronFSDP over ``module`` with ``units``; then ``module`` is an FSDPModule root."""
+    ignored = call.ignored_params.union(*(_state(u).call.ignored_params for u in units))
+    states = [_state(m) for m in [*units, module] if isinstance(m, FSDPModule)]
+    for state in states:  # their named_parameters() must not resolve them meanwhile
+        state.building = True
+    try:
+        fsdp = _megatron_fsdp(module, call, list(units), ignored, _unit_call, FSDPModule)
+    finally:
+        for state in states:
+            state.building = False
+    root = _Root(fsdp, ignored)
+    if not isinstance(module, FSDPModule):
+        _mark(module, call)
+    _state(module).root = root
+    for unit_id, unit in enumerate(fsdp.units):
+        _state(unit).root, _state(unit).unit_id = root, unit_id
+    for member in [*units, module]:
+        _PENDING.discard(member)
+        _cast_at_boundaries(member, _state(member).call.mp_policy)
+    module.register_forward_pre_hook(outside_compile(root.start_cycle_after_step), prepend=True)  # first
+    module.register_forward_pre_hook(outside_compile(root.wait_post_optim_event), prepend=True)  # before it
+    module.register_state_dict_post_hook(_picklable_dtensors)  # type: ignore[no-untyped-call]
+
+
+def _unit_call(unit: nn.Module) -> _Call:
+    return _state(unit).call
+
+
+def _picklable_dtensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
+    """The state dict's DTensors as ``torch.save`` can pickle them (:func:`detach_for_saving`); params
+    (``keep_vars=True``) stay as they are."""
+    for key, value in state_dict.items():
+        if isinstance(value, DTensor) and not isinstance(value, nn.Parameter):
+            state_dict[key] = detach_for_saving(value)

@@ -1,109 +1,126 @@
-"""Marks and roots: a call on a module that holds no marked module marks it as a unit (its class swapped
-to ``FSDP<Class>``); the call on the module holding marked ones builds one MegatronFSDP over them all."""
+"""What a root call builds: each call's arguments as recorded, and the one MegatronFSDP over a root and
+its units (strategy, mesh, precision) from them.
+
+torch's ``MixedPrecisionPolicy`` on gradsync's buckets: the compute cast, the boundary casts, and the
+ignored params kept out of the buckets while they are laid out.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from gradsync.buffers import DistributedDataParallelConfig, check_params_match_across_ranks
+from gradsync.buffers.shard_alignment import ShardAlignmentSpec
 from gradsync.groups import FSDPDistributedIndex
 
-from ..device_choice import choose_device
-from ..hooks import outside_compile
 from ..megatron_fsdp import MegatronFSDP
-from ..torch_internals import detach_for_saving, flatten_mesh
-from . import module as _module
-from .precision import _cast_at_boundaries, _cast_for_compute, _params_hidden
-from .state import _PENDING, STATE_ATTR, _Call, _Root, _State, _state
-
-_FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+from ..settings import MixedPrecisionPolicy as GradsyncPrecision
+from ..settings import choose_device
+from ..torch_internals import flatten_mesh, pytree
 
 
-def _as_fsdp(module: nn.Module) -> _module.FSDPModule:
-    assert isinstance(module, _module.FSDPModule)
-    return module
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One ``fully_shard`` call's arguments, after the refusals."""
+
+    mesh: DeviceMesh | None
+    reshard_after_forward: bool | None
+    mp_policy: MixedPrecisionPolicy
+    ignored_params: frozenset[nn.Parameter]
+    outer_dp_sharding_strategy: str
+    shard_alignment: ShardAlignmentSpec = None
+
+    def shared(self) -> dict[str, object]:
+        """What every call of one root must agree on: it shapes the buckets all units share."""
+        return {
+            "mesh": self.mesh,
+            "mp_policy.param_dtype": self.mp_policy.param_dtype,
+            "mp_policy.reduce_dtype": self.mp_policy.reduce_dtype,
+            "outer_dp_sharding_strategy": self.outer_dp_sharding_strategy,
+        }
 
 
-def _swap_class(module: nn.Module) -> None:
-    """``FSDP<Class>``: _module.FSDPModule's methods first, then the module's own, as torch does."""
-    cls = type(module)
-    fsdp_cls = _FSDP_CLASSES.get(cls)
-    if fsdp_cls is None:
-        fsdp_cls = type(f"FSDP{cls.__name__}", (_module.FSDPModule, cls), {"__module__": cls.__module__})
-        _FSDP_CLASSES[cls] = fsdp_cls
-    module.__class__ = fsdp_cls
-
-
-def _mark(module: nn.Module, call: _Call) -> None:
-    module.__dict__[STATE_ATTR] = _State(call)
-    _swap_class(module)
-    _PENDING.add(module)
-
-
-def _marked_inside(module: nn.Module) -> list[_module.FSDPModule]:
-    return [m for m in module.modules() if m is not module and isinstance(m, _module.FSDPModule)]
-
-
-def _resolve_alone(module: nn.Module, *, forward: bool) -> _Root:
-    """A marked module used before any call covered it: a root of its own, as in torch (whose first
-    forward picks the root). A forward while other marks wait is refused: the usual cause is a
-    forgotten root call, and an optimizer built meanwhile holds the unsharded params."""
-    waiting = [m for m in _PENDING if m is not module]
-    if forward and waiting:
-        raise RuntimeError(
-            f"fully_shard: {type(module).__name__} runs forward while {len(waiting)} other module(s) passed "
-            f"to fully_shard (first {type(waiting[0]).__name__}) wait for a root call; call fully_shard on "
-            "the module that holds them all, last, and build the optimizer after it (for separate models, "
-            "read each one's parameters() before its first forward)"
+def _cast_for_compute(
+    policy: MixedPrecisionPolicy, managed: list[tuple[str, nn.Parameter]]
+) -> tuple[GradsyncPrecision, dict[str, torch.Tensor]]:
+    """torch's policy as gradsync's: compute weights in ``param_dtype`` (cast here, before the buckets
+    are laid out) over main weights, main grads and their accumulation in the original dtype, reduced in
+    ``reduce_dtype`` (else ``param_dtype``). Returns the original values, for the main weights."""
+    floating = {p.dtype for _, p in managed if p.is_floating_point()}
+    compute = policy.param_dtype
+    if compute is None or floating <= {compute}:
+        return GradsyncPrecision(None, None, policy.reduce_dtype), {}
+    if len(floating) > 1:
+        raise NotImplementedError(
+            f"fully_shard: mp_policy.param_dtype={compute} over params of several dtypes "
+            f"{sorted(map(str, floating))}: gradsync keeps one main dtype; cast the model to one dtype first"
         )
-    _build_root(module, _state(module).call, [])
-    root = _state(module).root
-    assert root is not None
-    return root
+    (original,) = floating
+    originals = {}
+    with torch.no_grad():
+        for name, param in managed:
+            if param.is_floating_point() and param.dtype != compute:
+                originals[name] = param.data
+                param.data = param.data.to(compute)
+    return GradsyncPrecision(original, original, policy.reduce_dtype or compute), originals
 
 
-def _build_root(module: nn.Module, call: _Call, units: list[_module.FSDPModule]) -> None:
-    """One MegatronFSDP over ``module`` with ``units``; then ``module`` is an _module.FSDPModule root."""
-    ignored = call.ignored_params.union(*(_state(u).call.ignored_params for u in units))
-    states = [_state(m) for m in [*units, module] if isinstance(m, _module.FSDPModule)]
-    for state in states:  # their named_parameters() must not resolve them meanwhile
-        state.building = True
+@contextlib.contextmanager
+def _params_hidden(root: nn.Module, hidden: frozenset[nn.Parameter]) -> Iterator[None]:
+    """``ignored_params`` leave their modules while MegatronFSDP (which manages every param it finds) is
+    built, and come back in their places: unsharded, never moved, their grads never reduced."""
+    saved = []
+    for owner in root.modules():
+        params = owner._parameters
+        if any(p is not None and p in hidden for p in params.values()):
+            saved.append((owner, dict(params)))
+            for leaf in [leaf for leaf, p in params.items() if p is not None and p in hidden]:
+                del params[leaf]
     try:
-        fsdp = _megatron_fsdp(module, call, units, ignored)
+        yield
     finally:
-        for state in states:
-            state.building = False
-    root = _Root(fsdp, ignored)
-    if not isinstance(module, _module.FSDPModule):
-        _mark(module, call)
-    _state(module).root = root
-    for unit_id, unit in enumerate(fsdp.units):
-        _state(unit).root, _state(unit).unit_id = root, unit_id
-    for member in [*units, module]:
-        _PENDING.discard(member)
-        _cast_at_boundaries(member, _state(member).call.mp_policy)
-    module.register_forward_pre_hook(outside_compile(root.start_cycle_after_step), prepend=True)  # first
-    module.register_forward_pre_hook(outside_compile(root.wait_post_optim_event), prepend=True)  # before it
-    module.register_state_dict_post_hook(_picklable_dtensors)  # type: ignore[no-untyped-call]
+        for owner, original in saved:
+            params = owner._parameters  # the registry may have swapped the others: keep those
+            restored = {leaf: params.get(leaf, value) for leaf, value in original.items()}
+            params.clear()
+            params.update(restored)
 
 
-def _picklable_dtensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
-    """The state dict's DTensors as ``torch.save`` can pickle them (:func:`detach_for_saving`); params
-    (``keep_vars=True``) stay as they are."""
-    for key, value in state_dict.items():
-        if isinstance(value, DTensor) and not isinstance(value, nn.Parameter):
-            state_dict[key] = detach_for_saving(value)
+def _cast_at_boundaries(module: nn.Module, policy: MixedPrecisionPolicy) -> None:
+    """``cast_forward_inputs`` / ``output_dtype``: floating inputs to ``param_dtype``, outputs to
+    ``output_dtype``, at this module's forward, as torch does for every fully_shard module."""
+    compute, output = policy.param_dtype, policy.output_dtype
+    if compute is not None and policy.cast_forward_inputs:
+        module.register_forward_pre_hook(
+            lambda module, args, kwargs: _cast_floating((args, kwargs), compute), with_kwargs=True
+        )
+    if output is not None:
+        module.register_forward_hook(lambda module, args, out: _cast_floating(out, output))
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 def _megatron_fsdp(
-    module: nn.Module, call: _Call, units: list[_module.FSDPModule], ignored: frozenset[nn.Parameter]
+    module: nn.Module,
+    call: _Call,
+    units: list[nn.Module],
+    ignored: frozenset[nn.Parameter],
+    unit_call: Callable[[nn.Module], _Call],
+    unit_class: type[nn.Module],
 ) -> MegatronFSDP:
+    """The MegatronFSDP of a root call over ``module`` with its ``units`` (``unit_call``: the call that
+    marked each; ``unit_class``: the class every marked module is an instance of)."""
     managed = [(n, p) for n, p in module.named_parameters() if p not in ignored]
     on_meta = any(p.is_meta for _, p in managed)
     # the mesh's device, as torch moves the module there; without a mesh, the params' (meta params: the
@@ -114,9 +131,12 @@ def _megatron_fsdp(
     # In the caller's terms, before MegatronFSDP checks what they became (its strategy, its precision),
     # and before any refusal that depends on them (a rank raising alone would leave the others here)
     check_params_match_across_ranks(
-        managed, index.get_dp_group(), who="fully_shard", settings=_arguments(call, units)
+        managed,
+        index.get_dp_group(),
+        who="fully_shard",
+        settings=_arguments(call, [unit_call(u) for u in units]),
     )
-    strategy = _strategy(call, [_state(u).call for u in units])
+    strategy = _strategy(call, [unit_call(u) for u in units])
     if call.outer_dp_sharding_strategy == "optim" and strategy != "optim_grads_params":
         raise ValueError(
             "fully_shard: outer_dp_sharding_strategy='optim' (ZeRO-1 over the outer axis) needs ZeRO-3 "
@@ -137,7 +157,7 @@ def _megatron_fsdp(
                 index,
                 config,
                 mixed_precision_policy=precision,
-                fsdp_unit_modules=[_module.FSDPModule] if units else None,
+                fsdp_unit_modules=[unit_class] if units else None,
                 device=device,
                 sync_model_each_microbatch=True,
                 shard_alignment=call.shard_alignment,
@@ -154,7 +174,7 @@ def _megatron_fsdp(
         fsdp.load_state_dict({f"module.{name}": value for name, value in originals.items()}, strict=False)
     if fsdp.sharding.shard_params:
         fsdp.units_kept_after_forward = {
-            i for i, unit in enumerate(fsdp.units) if _state(unit).call.reshard_after_forward is False
+            i for i, unit in enumerate(fsdp.units) if unit_call(unit).reshard_after_forward is False
         }
     return fsdp
 
@@ -164,7 +184,7 @@ def _default_device_type() -> str:
     return accelerator.type if accelerator is not None else "cpu"
 
 
-def _arguments(call: _Call, units: list[_module.FSDPModule]) -> dict[str, object]:
+def _arguments(call: _Call, unit_calls: list[_Call]) -> dict[str, object]:
     """The root call's arguments every rank must have given alike, and each unit's
     ``reshard_after_forward``, as the caller named them."""
     return {
@@ -173,7 +193,7 @@ def _arguments(call: _Call, units: list[_module.FSDPModule]) -> dict[str, object
         "shard_alignment": call.shard_alignment,
         "reshard_after_forward": (
             call.reshard_after_forward,
-            *(_state(u).call.reshard_after_forward for u in units),
+            *(c.reshard_after_forward for c in unit_calls),
         ),
     }
 
