@@ -14,9 +14,7 @@ from fsdp_testkit import full_weights, local_microbatches, make_optimizer, refer
 from torch import nn
 
 from gradsync.fsdp import compute_bucket_layout, fully_shard_optimizer
-from gradsync.fsdp.layout import BucketLayout
-from gradsync.fsdp.layout import balance_param_order, params_per_shard
-from gradsync.fsdp.layout import BucketSpec
+from gradsync.fsdp.layout import BucketLayout, BucketSpec, balance_param_order, params_per_shard
 from gradsync.groups.testing import run_distributed
 
 BLOCK = {  # a d_model 32 transformer block in module order: ten small or mid params, then two large
