@@ -3,6 +3,8 @@ and zero_grad_buffer never races with a reduction still in flight."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -96,3 +98,23 @@ def test_zero_grad_buffer_waits_for_a_reduction_in_flight() -> None:
     for in_flight, left in run_distributed(zeroing_waits_for_the_reduction_in_flight, 2):
         assert in_flight
         assert left == 0.0
+
+
+def test_no_process_group_names_init_process_group() -> None:
+    """The docs' first snippet run without ``init_process_group``: a fresh interpreter (this one's default
+    group is not touched by the harness, but a fresh one shows it plainly)."""
+    code = (
+        "from torch import nn\n"
+        "from gradsync.buffers import DistributedDataParallelConfig\n"
+        "from gradsync.ddp import DistributedDataParallel\n"
+        "from gradsync.groups import ModelParallelConfig\n"
+        "try:\n"
+        "    DistributedDataParallel(ModelParallelConfig(), DistributedDataParallelConfig(), nn.Linear(2, 2))\n"
+        "except RuntimeError as err:\n"
+        "    print(err)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "torch.distributed is not initialized" in out.stdout, out
+    assert "init_process_group(backend) first" in out.stdout, out

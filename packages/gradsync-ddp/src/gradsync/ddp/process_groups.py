@@ -22,6 +22,12 @@ def resolve_process_groups(
     TP shards or pipeline stages as if they were replicas would give silently wrong grads.
     """
     if pg_collection is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "DistributedDataParallel: torch.distributed is not initialized and no pg_collection was "
+                "given: call torch.distributed.init_process_group(backend) first (gloo on CPU, nccl on CUDA; "
+                "under torchrun it reads the rank and world size from the environment)"
+            )
         sizes = describe_model_parallel(config)
         if sizes:
             raise ValueError(
