@@ -8,8 +8,7 @@ use_distributed_optimizer.
 from .base import _BaseDataParallel
 from .diloco import DiLoCo
 from .distributed_data_parallel import DistributedDataParallel
-from .distributed_optimizer import DistributedOptimizer
-from .optimizer_state import merge_shards
+from .distributed_optimizer import DistributedOptimizer, merge_shards
 from .version import __version__
 
 __all__ = [

@@ -1,4 +1,19 @@
-"""`DistributedDataParallel`: contiguous grad buffers, bucketed reductions overlapped with backward.
+"""DistributedDataParallel, and the grad hooks that count each param's grads into its bucket.
+
+DDP's side of the param-readiness protocol (:func:`gradsync.buffers.ensure_params_ready`).
+
+With ``overlap_param_gather`` each bucket group's params carry one :class:`BucketParamReadyCallback`.
+Called before weights are read outside the forward pre-hooks, it finishes the group's gather in flight,
+or, while the wrapper's pre-hooks own the schedule, starts and finishes one. It holds the wrapper and
+the group weakly, so a param outliving its wrapper keeps neither alive.
+
+The hooks and callbacks a DistributedDataParallel leaves on its params and module.
+
+Each holds the wrapper weakly: params keep their hooks in C++, where the garbage collector cannot see a
+cycle back to the wrapper, so a strong reference would keep the wrapper, its buffers and its process
+groups (each with polling gloo threads) alive for as long as the params live.
+
+`DistributedDataParallel`: contiguous grad buffers, bucketed reductions overlapped with backward.
 
 The wrapper owns the hooks; the buffers, bucket groups and collectives come from gradsync-buffers.
 A post-accumulate-grad hook moves each ``.grad`` into ``main_grad`` and reports the param ready, so a
@@ -9,15 +24,18 @@ module that needs it, and start the next group's.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+import weakref
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from gradsync.buffers import (
+    PARAM_READY_CALLBACK_ATTR,
     DistributedDataParallelConfig,
     FullParamLayout,
     as_ddp_config,
@@ -35,7 +53,6 @@ from gradsync.groups import ModelParallelConfigProtocol, ProcessGroupCollection
 from .base import _BaseDataParallel
 from .comm_hook_registration import install_comm_hook
 from .grad_buffer_offload import offload_grad_buffers, restore_grad_buffers
-from .param_hooks import count_weight_loads, register_grad_hooks, set_param_ready_callbacks
 from .process_groups import resolve_process_groups
 from .step_tracker import StepTracker
 from .wrapped_params import (
@@ -44,6 +61,106 @@ from .wrapped_params import (
     broadcast_module_params,
     refuse_unknown_unused,
 )
+
+
+class BucketParamReadyCallback:
+    """Makes one bucket group's params current when called (Megatron-Core's _BucketParamReadyCallback)."""
+
+    def __init__(self, ddp: DistributedDataParallel, bucket_group: ParamAndGradBucketGroup) -> None:
+        self._ddp = weakref.ref(ddp)
+        self._group = weakref.ref(bucket_group)
+
+    def __call__(self) -> None:
+        group = self._group()
+        if group is None:
+            return
+        if group.param_gather_dispatched and group.param_gather_handle is None:
+            return  # gathered already: the common case, kept cheap
+        ddp = self._ddp()
+        if ddp is None:
+            return
+        owns_schedule = bool(ddp.remove_forward_pre_hook_handles)
+        if group.param_gather_handle is not None:
+            if owns_schedule:
+                ddp._finish_param_sync_for_bucket_group(group)
+            else:
+                group.finish_param_sync(skip_next_bucket_dispatch=True)
+        elif owns_schedule:
+            ddp._finish_param_sync_for_bucket_group(group)  # starts the gather and waits for it
+
+
+def register_grad_hooks(
+    ddp: DistributedDataParallel,
+    named: Sequence[tuple[str, nn.Parameter]],
+    unused_parameters: Collection[str],
+) -> list[RemovableHandle]:
+    """A post-accumulate-grad hook on every param: the main-grad hook on those with a grad buffer, one
+    that refuses the grad on those declared unused."""
+    post_hook = _main_grad_hook(weakref.ref(ddp))
+    hooks = [(p, post_hook) for p in ddp.params_with_grad]
+    hooks += [(p, _refuse_grad(n)) for n, p in named if n in unused_parameters]
+    return [
+        p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+        for p, hook in hooks
+    ]
+
+
+def _main_grad_hook(wrapper: weakref.ref[DistributedDataParallel]) -> Callable[[torch.Tensor], None]:
+    """The hook moves a param's grad into main_grad and reports it ready."""
+
+    def hook(param: torch.Tensor) -> None:
+        ddp = wrapper()
+        if ddp is None:
+            return  # the wrapper is gone: the grad stays in param.grad, as without one
+        grad = param.grad
+        main_grad: torch.Tensor = param.main_grad  # type: ignore[attr-defined]
+        # A grad that aliases main_grad (left from finish_grad_sync) was accumulated in place already.
+        aliased = grad is not None and grad.data_ptr() == main_grad.data_ptr()
+        fused_already = param.grad_added_to_main_grad and not getattr(param, "zero_out_wgrad", False)  # type: ignore[attr-defined]
+        if grad is not None and not aliased and not fused_already:
+            main_grad.add_(grad)
+        param.grad = None
+        ddp._step.grad_arrived()
+        if ddp.ddp_config.overlap_grad_reduce:
+            owned = cast(nn.Parameter, param)  # the hook is handed the param itself
+            ddp.param_to_bucket_group[owned].register_grad_ready(owned, ddp.force_all_reduce)
+
+    return hook
+
+
+def _refuse_grad(name: str) -> Callable[[torch.Tensor], None]:
+    def hook(_: torch.Tensor) -> None:
+        raise RuntimeError(
+            f"param {name} was declared in unused_parameters but received a gradient; its grad would not "
+            "be synchronised. Remove it from unused_parameters."
+        )
+
+    return hook
+
+
+def count_weight_loads(ddp: DistributedDataParallel) -> None:
+    """Bump ``ddp.model_params_version`` at every ``load_state_dict`` on the module or any submodule."""
+    wrapper = weakref.ref(ddp)
+
+    def loaded(_module: nn.Module, _keys: Any) -> None:
+        owner = wrapper()
+        if owner is not None:
+            owner.model_params_version += 1
+
+    for module in ddp.module.modules():
+        module.register_load_state_dict_post_hook(loaded)  # type: ignore[no-untyped-call]
+
+
+def set_param_ready_callbacks(ddp: DistributedDataParallel) -> None:
+    """With overlap_param_gather, let ``ensure_params_ready`` finish a param's gather on demand (one
+    callback per bucket group); otherwise drop callbacks a previous wrapper left on the params."""
+    for group in ddp.grad_buffers.all_bucket_groups:
+        callback = BucketParamReadyCallback(ddp, group) if ddp.ddp_config.overlap_param_gather else None
+        for param in group.params:
+            if callback is not None:
+                setattr(param, PARAM_READY_CALLBACK_ATTR, callback)
+            elif hasattr(param, PARAM_READY_CALLBACK_ATTR):
+                delattr(param, PARAM_READY_CALLBACK_ATTR)
 
 
 class DistributedDataParallel(_BaseDataParallel):

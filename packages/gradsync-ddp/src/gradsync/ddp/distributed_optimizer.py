@@ -1,4 +1,24 @@
-"""`DistributedOptimizer`: any torch.optim optimizer over fp32 main params, sharded across DP or not.
+"""DistributedOptimizer, and its state: sharded, gathered, merged and in DCP's form.
+
+DistributedOptimizer checkpoints: gathered (full tensors by param name) and sharded (this rank's pieces).
+
+Both forms are keyed by param name and full-param positions, not by rank or bucket, so they load at any
+DP size: loading slices each rank's new pieces out of the full tensors.
+
+DistributedOptimizer state through ``torch.distributed.checkpoint`` (DCP), resharding across DP sizes.
+
+Every param's state is saved as a flat tensor of the param's numel elements (the distributed optimizer
+shards buckets by element, not by row). With the distributed optimizer each rank's piece of it is a
+``Shard(0)`` DTensor over the buffer's data-parallel group whose chunk is the piece's true element range
+(:func:`gradsync.buffers.checkpointing.describe_chunk`); without it the whole param is a plain tensor,
+replicated across DP, which DCP writes once. Either way a checkpoint loads at any DP size, sharded or not.
+
+The state dict's tensors are the optimizer's own (views of the fp32 main params, the state tensors), so
+``dcp.load`` fills them in place. Keys are param names, prefixed with the model-parallel position where
+values differ between positions: ``tp<r>.pp<r>.`` for dense params, ``ep<r>.etp<r>.pp<r>.`` for experts
+(only the dimensions larger than one).
+
+`DistributedOptimizer`: any torch.optim optimizer over fp32 main params, sharded across DP or not.
 
 With ``use_distributed_optimizer`` the grads are reduce-scattered, so each DP rank holds the reduced grad
 only for its shard of each bucket. This optimizer keeps fp32 main params for exactly those pieces (so
@@ -17,22 +37,302 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from gradsync.buffers import (
     DistributedDataParallelConfig,
     FullParamLayout,
     ParamSpec,
     compute_full_param_layout,
+    is_expert_parallel,
 )
+from gradsync.buffers.checkpointing import describe_chunk, materialize_optimizer_state
 from gradsync.buffers.matrix_optim.local import LocalOptimizer
 from gradsync.buffers.shard_alignment import shard_alignment_of
+from gradsync.groups.objects import all_gather_objects, gather_objects
 
-from .dcp_state import dcp_state, load_dcp_state
 from .distributed_data_parallel import DistributedDataParallel
 from .grad_norm import clip_coefficient, global_grad_norm
 from .main_shards import ShardPiece, build_bucket_shards, read_main_params_from_state_dict
-from .optimizer_state import gather_state, load_state, merge_shards, shard_state
 from .training_loop import MegatronTrainingLoop
+
+MAIN_PARAM_KEY = "param"
+
+
+def is_elementwise(value: Any, numel: int) -> bool:
+    """A state tensor with one entry per param element (exp_avg), as opposed to a scalar (step)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
+
+
+def refuse_structured_state(opt: DistributedOptimizer) -> None:
+    """Checkpoints hold per-element state (shaped like its main param) and scalars; anything else (block
+    Shampoo's per-tile statistics, one set per rank's piece) has no place in a per-param entry and would
+    be merged wrongly, so it is refused before any collective. Every rank raises alike: the state's
+    kinds come from the optimizer's class, the same on every rank."""
+    for piece in opt.pieces:
+        for key, value in opt.optimizer.state.get(piece.main, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != piece.main.shape:
+                raise ValueError(
+                    f"DistributedOptimizer checkpoints: {type(opt.optimizer).__name__}'s state {key!r} of "
+                    f"{piece.name} has shape {tuple(value.shape)}, neither one value per element of its "
+                    f"main param {tuple(piece.main.shape)} nor a scalar; gradsync-ddp cannot reshard it. "
+                    "Checkpoint such optimizers under gradsync-fsdp with torch.distributed.checkpoint"
+                )
+
+
+def hyperparams(opt: DistributedOptimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+
+
+def _elementwise_keys(opt: DistributedOptimizer, buffer_key: int, group: dist.ProcessGroup) -> list[str]:
+    """The per-element state keys (exp_avg, ...) any rank of ``group`` holds for this buffer; every rank
+    must agree on them before the per-key collectives."""
+    local = {
+        k
+        for piece in opt.pieces
+        if piece.buffer_key == buffer_key
+        for k, v in opt.optimizer.state.get(piece.main, {}).items()
+        if is_elementwise(v, piece.main.numel())
+    }
+    return sorted(set().union(*all_gather_objects(local, group)))
+
+
+def _value(opt: DistributedOptimizer, piece: Any, key: str) -> torch.Tensor:
+    if key == MAIN_PARAM_KEY:
+        return piece.main.detach()  # type: ignore[no-any-return]
+    return opt.optimizer.state[piece.main][key]  # type: ignore[no-any-return]
+
+
+def _gather_bucket(
+    opt: DistributedOptimizer, buffer_key: int, bucket: int, key: str, saver: int
+) -> torch.Tensor | None:
+    """This bucket's values of ``key`` on the saving rank (None elsewhere): each rank sends its shard."""
+    buffer = opt.buffers[buffer_key]
+    group = buffer.data_parallel_group
+    start, end = buffer.bucket_indices[bucket]
+    size = (end - start) // group.size()
+    mine = start + group.rank() * size
+    shard = torch.zeros(size, dtype=torch.float32, device=buffer.device)
+    for piece in opt.pieces:
+        if piece.buffer_key == buffer_key and buffer.param_to_bucket[piece.param].bucket_id == bucket:
+            offset = buffer.param_index_map[piece.param][0] + piece.param_range[0] - mine
+            shard[offset : offset + piece.main.numel()] = _value(opt, piece, key).reshape(-1)
+    receiving = group.rank() == 0
+    parts = [torch.empty_like(shard) for _ in range(group.size())] if receiving else None
+    dist.gather(shard, parts, dst=saver, group=group)
+    return torch.cat(parts) if parts is not None else None
+
+
+def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
+    """The state of each buffer's params on rank 0 of its group, streamed one bucket at a time, so no
+    rank ever holds more than one bucket per key beyond what it saves. Tensors come back on the CPU."""
+    refuse_structured_state(opt)
+    state: dict[str, dict[str, Any]] = {}
+    for key, buffer in enumerate(opt.buffers):
+        group = buffer.data_parallel_group
+        if opt.sharded:
+            saver = dist.get_global_rank(group, 0)
+            for name in [MAIN_PARAM_KEY, *_elementwise_keys(opt, key, group)]:
+                for bucket in buffer.buckets:
+                    flat = _gather_bucket(opt, key, bucket.bucket_id, name, saver)
+                    if flat is None:
+                        continue
+                    for param in bucket.params_list:
+                        start, end = bucket.param_to_index[param]
+                        entry = state.setdefault(opt.param_names[param], {})
+                        entry[name] = flat[start:end].view(param.shape).cpu()
+        else:
+            for piece in (p for p in opt.pieces if p.buffer_key == key):
+                entry = state.setdefault(
+                    piece.name, {MAIN_PARAM_KEY: piece.main.detach().view(piece.param.shape).cpu()}
+                )
+                for name, value in opt.optimizer.state.get(piece.main, {}).items():
+                    if is_elementwise(value, piece.main.numel()):
+                        entry[name] = value.view(piece.param.shape).cpu()
+        scalars = {  # on the CPU before pickling: a CUDA tensor would unpickle onto the sender's device
+            piece.name: {
+                k: v.cpu() if isinstance(v, torch.Tensor) else v
+                for k, v in opt.optimizer.state.get(piece.main, {}).items()
+                if not is_elementwise(v, piece.main.numel())
+            }
+            for piece in opt.pieces
+            if piece.buffer_key == key
+        }
+        parts: list[dict[str, dict[str, Any]]] = [scalars]
+        if opt.sharded:
+            parts = gather_objects(scalars, dist.get_global_rank(group, 0), group) or []
+        for part in parts:
+            for param_name, values in part.items():
+                state[param_name].update(values)
+    return {"format": "gathered", "param_groups": hyperparams(opt), "state": state}
+
+
+def shard_state(opt: DistributedOptimizer) -> dict[str, Any]:
+    """This rank's pieces: for each, the full param's shape, the piece's range and its state."""
+    refuse_structured_state(opt)
+    pieces = []
+    for piece in opt.pieces:
+        values = {MAIN_PARAM_KEY: piece.main.detach().clone()}
+        values.update(opt.optimizer.state.get(piece.main, {}))
+        pieces.append(
+            {
+                "name": piece.name,
+                "shape": tuple(piece.param.shape),
+                "range": piece.param_range,
+                "state": {
+                    k: v.cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()
+                },
+            }
+        )
+    return {"format": "sharded", "param_groups": hyperparams(opt), "pieces": pieces}
+
+
+def merge_shards(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Assemble every rank's sharded state dict into the gathered form."""
+    state: dict[str, dict[str, Any]] = {}
+    covered: dict[str, int] = {}
+    for shard in shards:
+        if shard.get("format") != "sharded":
+            raise ValueError("merge_shards takes the dicts returned by sharded_state_dict()")
+        for piece in shard["pieces"]:
+            start, end = piece["range"]
+            numel = int(torch.Size(piece["shape"]).numel())
+            entry = state.setdefault(piece["name"], {})
+            covered[piece["name"]] = covered.get(piece["name"], 0) + end - start
+            for key, value in piece["state"].items():
+                if is_elementwise(value, end - start):
+                    full = entry.setdefault(key, torch.zeros(numel, dtype=value.dtype))
+                    full[start:end] = value.reshape(-1)  # shaped pieces (shard_alignment) too
+                else:
+                    entry[key] = value
+    for name, entry in state.items():
+        shape = next(s["shape"] for shard in shards for s in shard["pieces"] if s["name"] == name)
+        if covered[name] != torch.Size(shape).numel():
+            raise ValueError(
+                f"the shards cover {covered[name]} of {torch.Size(shape).numel()} elements of {name}"
+            )
+        for key, value in entry.items():
+            if (
+                isinstance(value, torch.Tensor)
+                and value.dim() == 1
+                and value.numel() == torch.Size(shape).numel()
+            ):
+                entry[key] = value.view(shape)
+    return {"format": "gathered", "param_groups": shards[0]["param_groups"], "state": state}
+
+
+def apply_hyperparams(opt: DistributedOptimizer, saved_groups: Sequence[dict[str, Any]]) -> None:
+    """Set every param group's hyper-parameters from a checkpoint's (the groups are index-aligned)."""
+    if len(saved_groups) != len(opt.optimizer.param_groups):
+        raise ValueError(
+            f"the checkpoint has {len(saved_groups)} param groups, this optimizer "
+            f"{len(opt.optimizer.param_groups)}"
+        )
+    for group, saved in zip(opt.optimizer.param_groups, saved_groups, strict=True):
+        group.update(saved)
+
+
+def load_state(opt: DistributedOptimizer, state_dict: dict[str, Any]) -> None:
+    """Slice this rank's pieces out of a gathered state dict."""
+    if state_dict.get("format") != "gathered":
+        raise ValueError(
+            "load_state_dict takes a gathered state dict; use load_sharded_state_dict for shards"
+        )
+    apply_hyperparams(opt, state_dict["param_groups"])
+    for piece in opt.pieces:
+        if piece.name not in state_dict["state"]:
+            raise ValueError(f"the checkpoint has no optimizer state for {piece.name}")
+        saved = state_dict["state"][piece.name]
+        start, end = piece.param_range
+        restored: dict[str, Any] = {}
+        for key, value in saved.items():
+            if is_elementwise(value, piece.param.numel()):
+                sliced = value.reshape(-1)[start:end].to(piece.main.device).view(piece.shape)
+                if key == MAIN_PARAM_KEY:
+                    with torch.no_grad():
+                        piece.main.copy_(sliced)
+                    continue
+                restored[key] = sliced.clone()
+            else:
+                restored[key] = (
+                    value.clone() if isinstance(value, torch.Tensor) else value
+                )  # keeps its device
+        if restored:
+            opt.optimizer.state[piece.main] = restored
+
+
+def _position(opt: DistributedOptimizer, piece: ShardPiece) -> str:
+    """The key prefix naming where this param's values live in the model-parallel layout."""
+    pg = opt.model_chunks[0].pg_collection
+    axes = (
+        (("ep", pg.ep), ("etp", pg.expt_tp), ("pp", pg.pp))
+        if is_expert_parallel(piece.param)
+        else (("tp", pg.tp), ("pp", pg.pp))
+    )
+    return "".join(f"{n}{g.rank()}." for n, g in axes if g is not None and g.size() > 1)
+
+
+def dcp_state(opt: DistributedOptimizer) -> dict[str, Any]:
+    """``{"param_groups": [...], "state": {key: {"param": ..., "exp_avg": ..., "step": ...}}}`` for
+    ``dcp.save`` / ``dcp.load``, with this rank's pieces (materialising the state if nothing has stepped)."""
+    if not opt.optimizer.state:  # nothing stepped yet: give the load tensors to fill
+        materialize_optimizer_state(opt.optimizer)
+    refuse_structured_state(opt)
+    meshes: dict[dist.ProcessGroup, DeviceMesh] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for piece in opt.pieces:
+        values = {MAIN_PARAM_KEY: piece.main.detach(), **opt.optimizer.state.get(piece.main, {})}
+        entry: dict[str, Any] = {}
+        for key, value in values.items():
+            if is_elementwise(value, piece.main.numel()):
+                entry[key] = _flat_global(opt, piece, value.view(-1), meshes)
+            else:
+                entry[key] = value
+        state[_position(opt, piece) + piece.name] = entry
+    return {"param_groups": hyperparams(opt), "state": state}
+
+
+def _flat_global(
+    opt: DistributedOptimizer,
+    piece: ShardPiece,
+    local: torch.Tensor,
+    meshes: dict[dist.ProcessGroup, DeviceMesh],
+) -> torch.Tensor:
+    """``local`` (this rank's piece) as part of the flattened param: itself when it is the whole param,
+    else a DTensor shard at the piece's offset."""
+    if not opt.sharded:
+        return local
+    if piece.group not in meshes:
+        meshes[piece.group] = DeviceMesh.from_group(piece.group, local.device.type)
+    numel = piece.param.numel()
+    global_tensor = DTensor.from_local(
+        local, meshes[piece.group], [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,)
+    )
+    return describe_chunk(global_tensor, [piece.param_range[0]])
+
+
+def load_dcp_state(opt: DistributedOptimizer, state_dict: dict[str, Any]) -> None:
+    """Adopt a state dict that ``dcp.load`` filled (one built by :func:`dcp_state`): hyper-parameters,
+    the state's non-tensor values, and any tensor that is not already the optimizer's own."""
+    apply_hyperparams(opt, state_dict["param_groups"])
+    for piece in opt.pieces:
+        key = _position(opt, piece) + piece.name
+        if key not in state_dict["state"]:
+            raise ValueError(
+                f"load_dcp_state_dict: no optimizer state for {key!r}; pass the dict dcp_state_dict() "
+                "returned, after dcp.load filled it"
+            )
+        current = opt.optimizer.state.setdefault(piece.main, {})
+        for name, value in state_dict["state"][key].items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            target = piece.main.detach() if name == MAIN_PARAM_KEY else current.get(name)
+            if isinstance(target, torch.Tensor) and isinstance(local, torch.Tensor):
+                if local.data_ptr() != target.data_ptr():
+                    with torch.no_grad():
+                        target.copy_(local.view_as(target))
+            else:
+                current[name] = value
 
 
 def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
