@@ -52,7 +52,7 @@ PLANTS = [
         "gradsync.finalize.finalize_model_gradz does not exist",
     ),
     (
-        "README.md",
+        "packages/gradsync-fsdp/README.md",
         "`init_model_with_meta_device`",
         "`init_model_with_meta_devices`",
         "init_model_with_meta_devices",
