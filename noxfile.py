@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import zipfile
 from pathlib import Path
 
 import nox
@@ -101,7 +102,9 @@ def install_local(session: nox.Session, *names: str, extra: tuple[str, ...] = ()
     session.install(*CONSTRAINTS, *(pkg_dir(n) for n in sorted(needed)), *extra)
 
 
-def run_tests(session: nox.Session, tests: Path, report: str | None) -> None:
+def run_tests(
+    session: nox.Session, tests: Path, report: str | None, env: dict[str, str] | None = None
+) -> None:
     """pytest over ``tests``: the files outside ``SERIAL`` two at a time, then those alone. ``report``: the
     JUnit reports' name (``<report>.xml`` and ``<report>.serial.xml``, for the mutation check). Arguments
     after ``--`` go to both runs; a run they leave with nothing to collect passes (exit status 5)."""
@@ -115,7 +118,9 @@ def run_tests(session: nox.Session, tests: Path, report: str | None) -> None:
             if report is None
             else ("-o", "junit_family=xunit1", f"--junitxml={REPORTS / report}{label}.xml")
         )
-        session.run("pytest", SLOWEST, *selection, *junit, *targets, *session.posargs, success_codes=[0, 5])
+        session.run(
+            "pytest", SLOWEST, *selection, *junit, *targets, *session.posargs, success_codes=[0, 5], env=env
+        )
 
 
 def make_tests_session(name: str) -> None:
@@ -348,8 +353,31 @@ def integration(session: nox.Session) -> None:
     """The integration suite: every strategy on the CI layouts vs a single-process run, plus torchrun
     launches (report, bit-exact resume, a killed rank), the main job under torchft with a replica group
     killed (in the `faults` session), and the examples (quick start B's needs transformers)."""
-    install_local(session, *PACKAGES, extra=(*TEST_TOOLS, "transformers"))
-    run_tests(session, ROOT / "integration", None)
+    install_local(session, *PACKAGES, extra=(*TEST_TOOLS, "transformers", "triton"))
+    megatron = {"PYTHONPATH": megatron_core(session), "GRADSYNC_REQUIRE_MEGATRON_CORE": "1"}
+    run_tests(session, ROOT / "integration", None, env=megatron)
+
+
+def megatron_core(session: nox.Session) -> str:
+    """A directory holding Megatron-Core's pure-Python code, unzipped from the wheel constraints.txt pins:
+    the wheel declares Python >= 3.12, so pip will not install it on 3.11, and the compiled helper it
+    carries is not needed. Kept in the session's tmp directory between runs."""
+    pin = next(
+        line
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if line.startswith("megatron-core==")
+    )
+    target = Path(session.create_tmp()) / pin
+    if not (target / "megatron" / "core").is_dir():
+        wheels = target / "wheel"
+        session.run(
+            "python", "-m", "pip", "download", pin, "--no-deps", "--only-binary=:all:",
+            "--python-version", "3.12", "-d", str(wheels),
+        )  # fmt: skip
+        (wheel,) = wheels.glob("*.whl")
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(target)
+    return str(target)
 
 
 @nox.session(tags=[CI])

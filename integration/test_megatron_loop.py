@@ -3,11 +3,18 @@ lack ``megatron_fsdp_version``), an OptimizerConfig-shaped object, the schedule'
 but the last microbatch, ``grad_scale_func = optimizer.scale_loss``, ``finalize_model_grads_func`` and
 the ``(update_successful, grad_norm, num_zeros_in_grad)`` tuple of ``optimizer.step()`` (as
 megatron/training/training.py's ``train_step``). Two gloo ranks with different data must end where one
-process trained on the global batch ends, with clipping active."""
+process trained on the global batch ends, with clipping active.
+
+Each case runs twice: with stand-ins shaped like Megatron-Core 0.19.2's objects, and with Megatron-Core's
+own ``DistributedDataParallelConfig``, ``TransformerConfig`` and ``OptimizerConfig`` (the integration
+session unzips the pinned megatron-core wheel onto the path and sets GRADSYNC_REQUIRE_MEGATRON_CORE, so
+there it cannot be skipped). MegatronFSDP takes Megatron-Core's DDP config too."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
 from contextlib import nullcontext
 from typing import Any
 
@@ -49,6 +56,29 @@ class OptimizerConfig:
     bf16: bool = False
 
 
+def megatron_core(name: str) -> Any:
+    """A class of Megatron-Core's (``module:Class``), or a skip where megatron-core is not on the path
+    (outside the integration session, which requires it)."""
+    module, cls = name.split(":")
+    try:
+        return getattr(importlib.import_module(f"megatron.core.{module}"), cls)
+    except ImportError:
+        if os.environ.get("GRADSYNC_REQUIRE_MEGATRON_CORE") == "1":
+            raise
+        pytest.skip("megatron-core is not on the path (the integration session puts it there)")
+
+
+def configs(source: str, ddp_fields: dict[str, Any], opt_fields: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """The model config, the DDP config and the optimizer config, as stand-ins or Megatron-Core's own."""
+    if source == "stand-ins":
+        return ModelParallelConfig(), MegatronDDPConfig(**ddp_fields), OptimizerConfig(**opt_fields)
+    model_config = megatron_core("transformer:TransformerConfig")(
+        num_layers=1, hidden_size=12, num_attention_heads=1
+    )
+    ddp_config = megatron_core("distributed:DistributedDataParallelConfig")(**ddp_fields)
+    return model_config, ddp_config, megatron_core("optimizer:OptimizerConfig")(**opt_fields)
+
+
 class Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -80,15 +110,15 @@ def forward_backward_no_pipelining(ddp: Any, microbatches: list[torch.Tensor], c
     config.finalize_model_grads_func([ddp])
 
 
-def train(ddp_fields: dict[str, Any]) -> dict[str, Any]:
+def train(ddp_fields: dict[str, Any], source: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = Model()
-    ddp = DistributedDataParallel(ModelParallelConfig(), MegatronDDPConfig(**ddp_fields), model)
+    opt_fields = {"lr": 0.05, "clip_grad": CLIP, "log_num_zeros_in_grad": True, "loss_scale": 4.0}
+    config, ddp_config, opt_config = configs(source, ddp_fields, opt_fields)
+    ddp = DistributedDataParallel(config, ddp_config, model)
     assert ddp.ddp_config.megatron_fsdp_version == 1  # converted: newer code reads the newer fields
-    opt_config = OptimizerConfig(clip_grad=CLIP, log_num_zeros_in_grad=True, loss_scale=4.0)
     inner = torch.optim.SGD(ddp.parameters(), lr=opt_config.lr, momentum=0.9)
     optimizer = DistributedOptimizer(inner, ddp, opt_config)
-    config = ModelParallelConfig()
     config.no_sync_func = ddp.no_sync  # type: ignore[attr-defined]
     config.grad_scale_func = optimizer.scale_loss  # type: ignore[attr-defined]
     config.finalize_model_grads_func = finalize_model_grads  # type: ignore[attr-defined]
@@ -132,15 +162,65 @@ def reference() -> tuple[torch.Tensor, list[float], list[int]]:
     ],
     ids=["distopt", "distopt-overlap-gather", "all-reduce"],
 )
-def test_megatron_shaped_loop_matches_one_process(ddp_fields: dict[str, Any]) -> None:
+@pytest.mark.parametrize("source", ["stand-ins", "megatron-core"])
+def test_megatron_shaped_loop_matches_one_process(ddp_fields: dict[str, Any], source: str) -> None:
     assert not hasattr(MegatronDDPConfig(), "megatron_fsdp_version")
+    if source == "megatron-core":  # 0.19.2's own object lacks it too: gradsync converts it
+        assert not hasattr(
+            megatron_core("distributed:DistributedDataParallelConfig")(), "megatron_fsdp_version"
+        )
     expected, norms, zeros = reference()
     assert max(norms) > CLIP
     assert min(zeros) > 0
-    for result in run_distributed(train, 2, args=(ddp_fields,)):
+    for result in run_distributed(train, 2, args=(ddp_fields, source)):
         scale = (expected - result["params"]).abs().max() / expected.abs().max()
         assert float(scale) <= 1e-6
         for (ok, norm, num_zeros), want_norm, want_zeros in zip(result["steps"], norms, zeros, strict=True):
             assert ok is True
             assert norm == pytest.approx(want_norm, rel=1e-5)
             assert num_zeros == want_zeros
+
+
+def megatron_fsdp_with_megatron_cores_config() -> dict[str, Any]:
+    """MegatronFSDP (ZeRO-3) built from Megatron-Core's DDP config, trained with its own loop and
+    ``finalize_model_grads`` ending each step, on this rank's rows of the global batch."""
+    from gradsync.fsdp import MegatronFSDP
+    from gradsync.groups import FSDPDistributedIndex
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ddp_config = megatron_core("distributed:DistributedDataParallelConfig")(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+    )
+    inner = Model()
+    inner.config = megatron_core("transformer:TransformerConfig")(  # as Megatron's modules carry it
+        num_layers=1, hidden_size=12, num_attention_heads=1
+    )
+    model = MegatronFSDP(inner, FSDPDistributedIndex.from_sizes(world), ddp_config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(STEPS):
+        model.zero_grad_buffer()
+        model(batch(step, world).chunk(world)[rank]).backward()
+        finalize_model_grads([model])
+        optimizer.step()
+        model.install_optimized_model_weights()
+    full = model.full_state_dict(rank0_only=False)
+    return {
+        "strategy": model.data_parallel_sharding_strategy,
+        "params": torch.cat([full[name].reshape(-1) for name, _ in Model().named_parameters()]),
+    }
+
+
+def test_megatron_fsdp_takes_megatron_cores_config() -> None:
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(STEPS):
+        opt.zero_grad()
+        model(batch(step, 2)).backward()
+        opt.step()
+    expected = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    for result in run_distributed(megatron_fsdp_with_megatron_cores_config, 2):
+        assert result["strategy"] == "optim_grads_params"
+        assert float((expected - result["params"]).abs().max() / expected.abs().max()) <= 1e-6
