@@ -7,7 +7,7 @@ import pytest
 import torch
 from fsdp_testkit import Trainer
 
-from gradsync.fsdp import labels
+from gradsync.fsdp import hooks
 from gradsync.groups.testing import run_distributed
 
 EVERY_STRATEGY = {
@@ -41,5 +41,5 @@ def test_a_profile_names_the_phases(strategy: str) -> None:
 def test_no_label_is_recorded_without_a_profiler(monkeypatch: pytest.MonkeyPatch) -> None:
     opened: list[str] = []
     monkeypatch.setattr(torch.profiler, "record_function", opened.append)
-    assert labels.labelled("phase")(lambda x: x + 1)(1) == 2
+    assert hooks.labelled("phase")(lambda x: x + 1)(1) == 2
     assert opened == []
