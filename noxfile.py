@@ -314,10 +314,13 @@ def make_compat_session(label: str, version: str) -> None:
         # the machine's pip configuration may cap torch below the newest release: installs here ignore it
         env = {"PIP_CONFIG_FILE": os.devnull}
         pins = Path(session.create_tmp()) / "constraints.txt"
-        lines = (ROOT / "constraints.txt").read_text().splitlines()
-        pins.write_text(
-            "\n".join(f"torch=={version}" if line.startswith("torch==") else line for line in lines)
-        )
+        # this torch's own triton pin replaces ours (the CUDA builds depend on one exact triton each)
+        lines = [
+            f"torch=={version}" if line.startswith("torch==") else line
+            for line in (ROOT / "constraints.txt").read_text().splitlines()
+            if not line.startswith("triton==")
+        ]
+        pins.write_text("\n".join(lines))
         session.install(NO_COMPILE, "-c", str(pins), "torch", *TEST_TOOLS, env=env)
         if label == FLOOR_TORCH:  # (it leaves no gradsync package installed)
             check_readme_installs(session, env)
