@@ -28,9 +28,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from gradsync.fsdp import uneven_dtensor_to_full_tensor
+from gradsync.buffers import DistributedDataParallelConfig
+from gradsync.fsdp import MegatronFSDP, uneven_dtensor_to_full_tensor
 from gradsync.fsdp.fsdp2 import MixedPrecisionPolicy, fully_shard, megatron_fsdp_of
 from gradsync.fsdp.torch_internals import SUBCLASS_DISPATCH
+from gradsync.groups import FSDPDistributedIndex
 from gradsync.groups.testing import run_distributed, test_device
 
 GRADSYNC, TORCH = "gradsync.fsdp.fsdp2", "torch.distributed.fsdp"
@@ -233,22 +235,30 @@ def test_meta_init_trains_like_one_process(
         assert max_relative_difference(weights, reference) <= bound
 
 
+def seeded(seed: int) -> Model:
+    torch.manual_seed(seed)
+    model = Model().to(test_device())
+    model.init_weights()
+    return model
+
+
+def blocks_then_root(model: Model) -> Model:
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
 def fused_round_trip() -> dict[str, float]:
     """Save and load a model whose load pre-hook merges the split QKV keys, at 4 ranks (where some ranks
     own no rows of a fused weight): a sharded state dict from gradsync itself, a whole one from an
-    unsharded model; each loaded into a differently seeded model and compared with the saved one."""
-    torch.manual_seed(0)
-    original = Model().to(test_device())
-    original.init_weights()
+    unsharded model; each loaded into a differently seeded model, through ``fully_shard``'s root and
+    through MegatronFSDP's own ``load_state_dict``, and compared with the saved one."""
+    original = seeded(0)
     expected = {name: p.detach().cpu() for name, p in original.named_parameters()}
     tokens = batch(0, 0)
     want = original(tokens).detach()
-    torch.manual_seed(0)
-    source = Model().to(test_device())
-    source.init_weights()
-    for block in source.blocks:
-        fully_shard(block)
-    fully_shard(source)
+    source = blocks_then_root(seeded(0))
     fused = source.blocks[0].attn.wqkv.weight
     facts = {"empty fused shards": float(sum(1 for r in range(4) if _owned_rows(fused, r) == 0))}
     states = {"whole": original.state_dict()}
@@ -263,18 +273,20 @@ def fused_round_trip() -> dict[str, float]:
             for n, piece in pieces
         )
     for label, state in states.items():
-        torch.manual_seed(1)
-        target = Model().to(test_device())
-        target.init_weights()
-        for block in target.blocks:
-            fully_shard(block)
-        fully_shard(target)
+        target = blocks_then_root(seeded(1))
         result = target.load_state_dict(state)
         assert not result.missing_keys, result
         assert not result.unexpected_keys, result
         got = whole(target)
         facts[f"{label} weights"] = max((got[k] - v).abs().max().item() for k, v in expected.items())
         facts[f"{label} loss"] = (target(tokens).detach() - want).abs().item()
+        config = DistributedDataParallelConfig(
+            use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"
+        )
+        index = FSDPDistributedIndex.from_sizes(dist.get_world_size(), device_type=test_device().type)
+        megatron = MegatronFSDP(seeded(1), index, config, fsdp_unit_modules=[Block])
+        megatron.load_state_dict({f"module.{key}": value for key, value in state.items()})
+        facts[f"{label} loss, MegatronFSDP"] = (megatron(tokens).detach() - want).abs().item()
     return facts
 
 
@@ -289,5 +301,12 @@ def test_a_load_pre_hook_merging_split_keys_loads_into_the_shards() -> None:
         assert facts["empty fused shards"] >= 1, "the layout no longer leaves a rank without fused rows"
         assert facts["whole weights"] == 0.0
         assert facts["whole loss"] == 0.0
+        assert facts["whole loss, MegatronFSDP"] == 0.0
         if SUBCLASS_DISPATCH:
-            assert facts == {**facts, "split pieces": 0.0, "sharded weights": 0.0, "sharded loss": 0.0}
+            assert facts == {
+                **facts,
+                "split pieces": 0.0,
+                "sharded weights": 0.0,
+                "sharded loss": 0.0,
+                "sharded loss, MegatronFSDP": 0.0,
+            }

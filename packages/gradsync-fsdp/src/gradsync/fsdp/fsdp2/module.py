@@ -53,13 +53,6 @@ class _Root:
         ends = self.requires_gradient_sync and self.is_last_backward and not self.manual_finalization
         self.fsdp.set_model_auto_sync(ends)
 
-    def wait_post_optim_event(self, module: nn.Module, args: Any) -> None:
-        """The event given by ``set_post_optim_event``: the current stream (on which gradsync's gathers
-        are issued) waits for it once, at the next forward."""
-        event, self.post_optim_event = self.post_optim_event, None
-        if event is not None:
-            event.wait()
-
     def start_cycle_after_step(self, module: nn.Module, args: Any) -> None:
         """A forward after an optimizer step starts a new cycle: torch users zero the DTensors' grads
         (``optimizer.zero_grad()``), gradsync must zero its grad buffers too. So does a forward after a
@@ -73,7 +66,13 @@ class _Root:
         by ``zero_grad(set_to_none=False)``, or never zeroed) have their values checked, with one host
         read. Whether grads are set is the same on every rank: each rank holds a grad for every trained
         param, an empty one where it owns no rows (the record's ``optimizer_grad``), so every rank takes
-        the same branch and posts the same collectives."""
+        the same branch and posts the same collectives.
+
+        First, the event given by ``set_post_optim_event``: the current stream (on which gradsync's
+        gathers are issued) waits for it once."""
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is not None:
+            event.wait()
         if not self.fsdp.steps.grads_consumed:
             if self.fsdp.step_left_broken:  # the last step raised (here or elsewhere): settle it now
                 self.fsdp.zero_grad_buffer()
@@ -561,7 +560,6 @@ def _build_root(module: nn.Module, call: _Call, units: list[FSDPModule]) -> None
         _PENDING.discard(member)
         _cast_at_boundaries(member, _state(member).call.mp_policy)
     module.register_forward_pre_hook(outside_compile(root.start_cycle_after_step), prepend=True)  # first
-    module.register_forward_pre_hook(outside_compile(root.wait_post_optim_event), prepend=True)  # before it
     module.register_state_dict_post_hook(_picklable_dtensors)  # type: ignore[no-untyped-call]
 
 
