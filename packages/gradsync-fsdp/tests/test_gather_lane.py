@@ -158,10 +158,10 @@ def gather_before_held_back_reductions(gather_lane: bool) -> dict[str, object]:
     reduced = [b for b in model.buckets if b is not gathered]
     for record in model.params:
         if record.bucket is not gathered:
-            record.unreduced_grad().add_(torch.full_like(record.compute, rank + 1.0))
+            record.bucket.unreduced.views()[record.index].add_(torch.full_like(record.compute, rank + 1.0))
 
     def reduce() -> list[Launched]:
-        return [b.launch_reduce(GradReduction(1.0, average_in_collective=False)) for b in reduced]
+        return [b.reducer.launch(GradReduction(1.0, average_in_collective=False), None) for b in reduced]
 
     completions = Completions()
     reductions = reduce() if rank == 0 else []
@@ -226,7 +226,7 @@ def reduction_skipped_by_a_gathering_rank() -> str:
         stop_hang_watchdog()
         return guard.hang or ""
     try:
-        reduced.launch_reduce(GradReduction(1.0, average_in_collective=False)).wait()
+        reduced.reducer.launch(GradReduction(1.0, average_in_collective=False), None).wait()
     except CollectiveHangError as error:
         stop_hang_watchdog()
         return str(error)

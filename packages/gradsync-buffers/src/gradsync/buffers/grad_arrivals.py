@@ -26,12 +26,26 @@ class GradArrivals(Generic[Key]):
         self._mismatched = len(expected)
 
     def arrive(self, key: Key) -> bool:
-        """Count one grad of ``key``; whether every count now equals its expected one."""
+        """Count one grad of ``key``; whether every count now equals its expected one (a grad's own hook
+        calls this: one call, where :meth:`arrive_all` would add a tuple and a loop)."""
         before = self.counts.get(key, 0)
         self.counts[key] = before + 1
         want = self.expected.get(key, 0)
         self._mismatched += (before == want) - (before + 1 == want)
         return self._mismatched == 0
+
+    def arrive_all(self, keys: Iterable[Key]) -> bool:
+        """Count one grad of each of ``keys`` (a unit's grads taken at once, in one call instead of one per
+        grad); whether every count now equals its expected one."""
+        counts, expected = self.counts, self.expected
+        mismatched = self._mismatched
+        for key in keys:
+            before = counts.get(key, 0)
+            counts[key] = before + 1
+            want = expected.get(key, 0)
+            mismatched += (before == want) - (before + 1 == want)
+        self._mismatched = mismatched
+        return mismatched == 0
 
     def restart(self, expected: dict[Key, int] | None = None) -> None:
         """Start counting a new backward (expecting ``expected`` from now on, when given)."""

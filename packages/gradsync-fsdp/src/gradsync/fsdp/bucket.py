@@ -14,8 +14,8 @@ DTensor grad) moves its version counter; a collective does not, so a reduction i
 
 ZeRO-2/3's whole-bucket grads of one backward: borrowed from the grads allocator when the first grad
 arrives, handed back once their reduce-scatter has landed in the shard, so a bucket holds whole-bucket
-grads only while its reduction is pending. Each param's record keeps its view of them
-(:meth:`~gradsync.fsdp.sharded_param.ShardedParam.unreduced_grad`).
+grads only while its reduction is pending. The params' views of them are kept with them
+(:meth:`UnreducedGrads.views`).
 
 The weights one rank keeps of a bucket besides its whole compute buffer.
 
@@ -133,13 +133,24 @@ class UnreducedGrads:
         """``dtype``: the wire's, as the buffer is reduced in place."""
         self.allocator, self.bucket_id = allocator, bucket_id
         self.request = BufferRequest(layout.size, dtype, device)
+        self.items = layout.items
         self._buffer: torch.Tensor | None = None
+        self._views: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # a buffer, its items' views
 
     def buffer(self) -> torch.Tensor:
         """This backward's whole-bucket grads, zeroed when first asked for."""
         if self._buffer is None:
             self._buffer = self.allocator.allocate(self.bucket_id, self.request).zero_()
         return self._buffer
+
+    def views(self) -> list[torch.Tensor]:
+        """Each item's view of :meth:`buffer`, shaped as its param: where the backward adds its grads.
+        Kept while the allocator lends the same tensor (the default storage-resize one does, every
+        backward), so a later backward adds into the same views without building them again."""
+        buffer = self.buffer()
+        if self._views is None or self._views[0] is not buffer:
+            self._views = (buffer, item_views(buffer, self.items))
+        return self._views[1]
 
     def can_take(self) -> bool:
         """Whether the first grad of this backward would get a buffer now (double buffers can be full)."""
@@ -507,10 +518,6 @@ class FlatParamBucket:
     def can_take_grads(self) -> bool:
         """Whether the first grad of this backward would get a buffer now (double buffers can be full)."""
         return self.unreduced.can_take()
-
-    def launch_reduce(self, reduction: GradReduction, norms: LocalGradNorms | None = None) -> Launched:
-        """Scale and reduce this bucket's grads into the grad buffer (:meth:`GradReducer.launch`)."""
-        return self.reducer.launch(reduction, norms)
 
     def launch_outer_reduce(self, reduction: GradReduction) -> Launched:
         """The cycle's outer stage over the outer group (:meth:`GradReducer.launch_outer`)."""

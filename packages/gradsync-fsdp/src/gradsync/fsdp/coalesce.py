@@ -169,14 +169,14 @@ class ReductionGroup:
             bucket.record("all_gather", bucket.weight, group)
 
     def launch_reduce(self, reduction: GradReduction, norms: LocalGradNorms | None) -> Launched:
-        """Scale and reduce every bucket's grads (see each bucket's ``launch_reduce``). A comm hook is
-        handed each bucket on its own, as the hook's protocol has it."""
+        """Scale and reduce every bucket's grads (a bucket alone: :meth:`GradReducer.launch`). A comm hook
+        is handed each bucket on its own, as the hook's protocol has it."""
         if len(self.buckets) == 1:
-            return self.buckets[0].launch_reduce(reduction, norms)
+            return self.buckets[0].reducer.launch(reduction, norms)
         if self.buckets[0].comm_hook is not None:
             launched = Launched()
             for bucket in self.buckets:
-                launched.extend(bucket.launch_reduce(reduction, norms))
+                launched.extend(bucket.reducer.launch(reduction, norms))
             return launched
         if norms is not None:
             for bucket in self.buckets:

@@ -101,13 +101,17 @@ def attach_post_backward(
     """Route the grad-requiring tensors of ``(args, kwargs)`` through the post-backward trigger."""
     if not torch.is_grad_enabled():
         return args, kwargs
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+    # the usual call, ``unit(x)``, skips the pytree walk, most of this function's cost (every unit, step)
+    flat = not kwargs and not any(isinstance(x, (list, tuple, dict)) for x in args)
+    leaves, spec = (list(args), None) if flat else pytree.tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not positions:
         return args, kwargs
     outputs = RegisterFSDPBackwardFunction.apply(post_backward, *(leaves[i] for i in positions))  # type: ignore[no-untyped-call]
     for i, out in zip(positions, outputs, strict=True):
         leaves[i] = out
+    if spec is None:
+        return tuple(leaves), kwargs
     new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
     return new_args, new_kwargs
 

@@ -26,8 +26,9 @@ caps it at 1e9 instead.
 When MegatronFSDP communicates: which gathers run ahead of use, and when each bucket's grads are reduced.
 
 :class:`GatherSchedule` gathers a unit's buckets and prefetches the next units in forward or backward
-order within a budget of elements. :class:`ReduceSchedule` counts each bucket's grads as they arrive
-(:mod:`gradsync.buffers.grad_arrivals`, as gradsync-ddp's bucket groups do, expecting one per param),
+order within a budget of elements. :class:`ReduceSchedule` counts each bucket's grads as they arrive (a
+unit's at once, or one param's outside every unit; :mod:`gradsync.buffers.grad_arrivals`, as
+gradsync-ddp's bucket groups do, expecting one per param),
 launches its reduction when the last one lands (or defers it to the end of the cycle: ``no_shard`` and
 ``optim`` reduce once per cycle), reduces buckets grouped by :mod:`gradsync.fsdp.coalesce` in one
 collective, bounds the reductions in flight, chains HSDP's outer stage to the inner one
@@ -243,24 +244,49 @@ class ReduceSchedule:
 
     # --- grads arriving ------------------------------------------------------------------------------
     def add_grad(self, record: ShardedParam, grad: torch.Tensor) -> None:
-        """Accumulate ``record``'s grad of this backward; reduce its bucket once it is complete."""
-        self._refuse_after_step()
+        """Accumulate ``record``'s grad of this backward (a param outside every unit, from its own hook);
+        reduce its bucket once it is complete."""
         bucket = record.bucket
+        views = self._open(bucket)
+        target = record.main_grad if views is None else views[record.index]
+        assert target is not None
+        # a grad with history (create_graph=True) would record the buffer into the graph: add its data
+        target.add_(grad.detach() if grad.requires_grad else grad)
+        if self._ready[bucket.bucket_id].arrive(record.index):
+            self._complete(bucket)
+
+    def add_grads(
+        self, bucket: FlatParamBucket, records: Sequence[ShardedParam], grads: Sequence[torch.Tensor]
+    ) -> None:
+        """Accumulate this backward's ``grads`` of ``records`` (items of ``bucket``, a unit's, taken in its
+        post-backward) in one foreach add; reduce the bucket once it is complete."""
+        views = self._open(bucket)
+        if views is None:
+            targets = [record.main_grad for record in records]
+        else:
+            targets = [views[record.index] for record in records]
+        grads = [grad.detach() if grad.requires_grad else grad for grad in grads]  # as in add_grad
+        torch._foreach_add_(targets, grads)  # type: ignore[arg-type]
+        if self._ready[bucket.bucket_id].arrive_all([record.index for record in records]):
+            self._complete(bucket)
+
+    def _open(self, bucket: FlatParamBucket) -> list[torch.Tensor] | None:
+        """Make ``bucket`` ready to take grads: refused after a step; a reduction launched in this backward
+        lands first (the bucket is reduced again at its end), one from earlier in the cycle is set aside.
+        ZeRO-2/3: the views of its borrowed whole-bucket grads (no_shard and ZeRO-1 add into each param's
+        ``main_grad``: None)."""
+        self._refuse_after_step()
         bucket_id = bucket.bucket_id
         if bucket_id in self._launched and bucket_id not in self._relaunch:
             self._relaunch.update(self.group_of[bucket_id].bucket_ids)
             self.wait_all()  # the launched reduction must land before its buffer takes new grads
         if bucket_id in self._reduced_this_cycle:
             self._reopen(self.group_of[bucket_id])
-        target = record.main_grad
-        if target is None:  # ZeRO-2/3: the bucket's borrowed whole-bucket grads
-            if not bucket.can_take_grads():
-                self.wait_until(bucket.can_take_grads)
-            target = record.unreduced_grad()
-        # a grad with history (create_graph=True) would record the buffer into the graph: add its data
-        target.add_(grad.detach() if grad.requires_grad else grad)
-        if self._ready[bucket_id].arrive(record.index):
-            self._complete(bucket)
+        if not self.sharding.shard_grads:
+            return None
+        if not bucket.can_take_grads():
+            self.wait_until(bucket.can_take_grads)
+        return bucket.unreduced.views()
 
     def end_backward(self) -> None:
         """Every grad bucket not completed by its grads (a param got no grad on this rank) completes now,

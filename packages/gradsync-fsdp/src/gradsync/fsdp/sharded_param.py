@@ -158,8 +158,10 @@ class ShardedParam:
     param has several).
 
     Its grads: ``main_grad``, its view of the bucket's persistent grads where the backward adds into them
-    (no_shard, ZeRO-1; None under ZeRO-2/3, which add into borrowed whole-bucket grads, and when frozen),
-    and ``optimizer_grad``, the sharded param's grad (see :func:`optimizer_grad`)."""
+    (no_shard, ZeRO-1; None under ZeRO-2/3, which add into borrowed whole-bucket grads: the bucket's
+    :meth:`~gradsync.fsdp.bucket.UnreducedGrads.views`; and None when frozen),
+    and ``optimizer_grad``, the sharded param's grad, with ``cast``, the rows it is refreshed from when
+    it is a cast copy (see :func:`optimizer_grad`)."""
 
     name: str
     compute: nn.Parameter
@@ -172,31 +174,11 @@ class ShardedParam:
     def __post_init__(self) -> None:
         self.local = local_tensor(self.sharded)
         bucket, item = self.bucket, self.bucket.layout.items[self.index]
-        self._span = (0, item.offset, item.end, item.shape)  # its coordinates in a whole-bucket buffer
         self.main_grad: torch.Tensor | None = None
         if bucket.grad is not None and not bucket.sharding.shard_grads:
-            self.main_grad = item_view(bucket.grad, *self._span)
+            self.main_grad = item_view(bucket.grad, 0, item.offset, item.end, item.shape)
             self.compute.main_grad = self.main_grad  # type: ignore[attr-defined]
-        self._unreduced: torch.Tensor | None = None  # ZeRO-2/3: its view of the borrowed buffer ...
-        self._unreduced_of: torch.Tensor | None = None  # ... that this is
-        self.optimizer_grad, self._cast = optimizer_grad(bucket, self.index, self.sharded)
-
-    def unreduced_grad(self) -> torch.Tensor:
-        """ZeRO-2/3: where this backward's grad is added, the param's view of the bucket's borrowed
-        whole-bucket grads (no_shard and ZeRO-1 add into ``main_grad``). The view is kept while the
-        allocator lends the same tensor (the default storage-resize one does, every backward), so a later
-        backward adds into it again."""
-        buffer = self.bucket.unreduced.buffer()
-        if buffer is not self._unreduced_of:
-            self._unreduced_of, self._unreduced = buffer, item_view(buffer, *self._span)
-        assert self._unreduced is not None
-        return self._unreduced
-
-    def attach_grad(self) -> None:
-        """Give the sharded param its reduced grad (a cast copy refreshed from the reduced rows first)."""
-        if self._cast is not None:
-            self._cast[1].copy_(self._cast[0])
-        self.sharded.grad = self.optimizer_grad
+        self.optimizer_grad, self.cast = optimizer_grad(bucket, self.index, self.sharded)
 
     @property
     def first_row(self) -> int | None:
@@ -240,6 +222,8 @@ class ShardedParams:
                     self._of[param].slots.append((owner, leaf))
         self.buckets = list(buckets)
         self._with_grads = [r for r in self.records if r.bucket.spec.requires_grad]
+        casts = [record.cast for record in self._with_grads if record.cast is not None]
+        self._cast_from, self._cast_to = [c[0] for c in casts], [c[1] for c in casts]
 
     def __iter__(self) -> Iterator[ShardedParam]:
         return iter(self.records)
@@ -262,9 +246,12 @@ class ShardedParams:
         self._of[tensor] = self._of[known]
 
     def attach_grads(self) -> None:
-        """Give the optimizer's params their reduced grads (those of frozen buckets keep theirs)."""
+        """Give the optimizer's params their reduced grads (those of frozen buckets keep theirs), the cast
+        copies refreshed from the reduced rows first; a loop with no call per param."""
+        if self._cast_to:
+            torch._foreach_copy_(self._cast_to, self._cast_from)
         for record in self._with_grads:
-            record.attach_grad()
+            record.sharded.grad = record.optimizer_grad
 
     def drop_grads(self) -> None:
         for record in self.records:

@@ -1,5 +1,6 @@
 """A MegatronFSDP model's forward and backward hooks: when weights are gathered and released, when the
-modules show the compute params, and when a param's grad enters its bucket.
+modules show the compute params, and when grads enter their buckets (a unit's in its post-backward, one
+call per bucket, as torch FSDP2 takes a param group's; a param's outside every unit from its own hook).
 
 The hooks decide *what* happens at each point of a training step; :mod:`gradsync.fsdp.schedule` decides
 *when* it communicates. They run outside ``torch.compile``'s trace (:func:`outside_compile`), as torch
@@ -22,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradsync.groups.torch_internals import queue_backward_end_callback
 
+from .bucket import FlatParamBucket
 from .bucket_set import BucketSet
 from .hooks import (
     TrainingState,
@@ -35,7 +37,7 @@ from .hooks import (
 )
 from .schedule import Cycle, GatherSchedule, ReduceSchedule
 from .settings import Sharding
-from .sharded_param import ParamRegistry, ShardedParams
+from .sharded_param import ParamRegistry, ShardedParam, ShardedParams
 
 
 class TrainingHooks:
@@ -80,6 +82,14 @@ class TrainingHooks:
             )
             unit.register_forward_hook(outside_compile(functools.partial(self.unit_post_forward, unit_id)))
         self.records = params.records
+        # a grad of a param outside every unit goes to its bucket from its own hook; a unit's grads go in
+        # its post-backward, each bucket's in one call (and any left over at the backward's end)
+        outside = {bucket.bucket_id for bucket in self.buckets.outside_units}
+        trainable = [record for record in params.records if record.compute.requires_grad]
+        self._unit_grads: list[list[tuple[FlatParamBucket, list[ShardedParam]]]] = [
+            [(bucket, [r for r in trainable if r.bucket is bucket]) for bucket in buckets]
+            for buckets in self.buckets.of_unit
+        ]
         grad_hooks = [
             record.compute.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                 # its position, not the record: that reaches the wrapper, which a kept param's hook
@@ -87,7 +97,7 @@ class TrainingHooks:
                 weak_method(self, "on_grad", position)
             )
             for position, record in enumerate(params.records)
-            if record.compute.requires_grad
+            if record.compute.requires_grad and record.bucket.bucket_id in outside
         ]
         weakref.finalize(self, _detach_from_params, grad_hooks, [record.compute for record in params])
 
@@ -131,9 +141,7 @@ class TrainingHooks:
             set_state(self._modules_of_unit[unit_id], TrainingState.FORWARD)
         if self.sharding.shard_main:  # no_shard's compute weights are never stale
             self.gathers.gather_unit(unit_id, prefetch=None if recomputing else unit_id + 1)
-        if self.sharding.shard_params:
-            return attach_post_backward(args, kwargs, functools.partial(self.unit_post_backward, unit_id))
-        return None
+        return attach_post_backward(args, kwargs, functools.partial(self.unit_post_backward, unit_id))
 
     @labelled("post_forward")
     def unit_post_forward(self, unit_id: int, unit: nn.Module, args: Any, output: Any) -> None:
@@ -181,21 +189,47 @@ class TrainingHooks:
 
     @labelled("post_backward")
     def unit_post_backward(self, unit_id: int) -> None:
+        """The unit's backward is done (grads reached its inputs): its grads go to their buckets, and
+        ZeRO-3 releases its weights."""
         set_state(self._modules_of_unit[unit_id], TrainingState.POST_BACKWARD)
-        for bucket in self.buckets.of_unit[unit_id]:
-            bucket.release()
+        self.take_unit_grads(unit_id)
+        if self.sharding.shard_params:
+            for bucket in self.buckets.of_unit[unit_id]:
+                bucket.release()
+
+    def take_unit_grads(self, unit_id: int) -> None:
+        """Move the grads the unit's params hold into their buckets, one call per bucket, as torch FSDP2's
+        post-backward takes a param group's. Autograd has summed every grad of this backward into
+        ``.grad`` (a unit run through several backwards, or a param whose grad lands after the unit's
+        post-backward, leaves its grad there for the next take: at the latest the backward's end)."""
+        for bucket, records in self._unit_grads[unit_id]:
+            arrived = [record for record in records if record.compute.grad is not None]
+            if not arrived:
+                continue
+            grads = [record.compute.grad for record in arrived]
+            for record in arrived:
+                record.compute.grad = None
+            if self.report_nan_in_param_grad:
+                self._note_non_finite(arrived, grads)  # type: ignore[arg-type]
+            self.reductions.add_grads(bucket, arrived, grads)  # type: ignore[arg-type]
 
     def on_grad(self, position: int, param: torch.Tensor) -> None:
         """``param``'s grad of this backward is complete: move it into its bucket (``param`` is the
-        compute param of record ``position``)."""
+        compute param of record ``position``, outside every unit)."""
         grad = param.grad
         if grad is None:
             return
         record = self.records[position]
-        if self.report_nan_in_param_grad and not bool(torch.isfinite(grad).all()):
-            record.bucket.non_finite_params.append(record.name)
+        if self.report_nan_in_param_grad:
+            self._note_non_finite([record], [grad])
         self.reductions.add_grad(record, grad)
         param.grad = None
+
+    def _note_non_finite(self, records: list[ShardedParam], grads: list[torch.Tensor]) -> None:
+        """``report_nan_in_param_grad``: name the params whose grad holds a NaN or an infinity."""
+        for record, grad in zip(records, grads, strict=True):
+            if not bool(torch.isfinite(grad).all()):
+                record.bucket.non_finite_params.append(record.name)
 
     @labelled("root_post_backward")
     def root_post_backward(self) -> None:
@@ -206,6 +240,8 @@ class TrainingHooks:
         """End of the backward: buckets some param of which got no grad on this rank complete, every
         reduction is waited (:meth:`ReduceSchedule.end_backward`), and ZeRO-3 drops every gathered
         weight."""
+        for unit_id in range(len(self.units)):
+            self.take_unit_grads(unit_id)
         self.reductions.end_backward()
         if self.sharding.shard_params:
             for bucket in self.buckets.buckets:
