@@ -38,6 +38,19 @@ def build_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
 
 
+def count_bytes_across_groups(manager: Any) -> list[int]:
+    """The bytes of every tensor this rank hands the manager to all-reduce across groups, summed per step
+    into the list's last entry."""
+    allreduce, sent = manager.allreduce, [0]
+
+    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent[-1] += tensor.numel() * tensor.element_size()
+        return allreduce(tensor, *args, **kwargs)
+
+    manager.allreduce = counted
+    return sent
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="optim_grads_params")
@@ -52,6 +65,7 @@ def main() -> None:
     state_dict, load_state_dict = replica_state(model, inner)
     manager = script.manager(state_dict, load_state_dict, init_sync=False)
     register_fault_tolerant_hook(model, manager)
+    sent = count_bytes_across_groups(manager)
     optimizer = OptimizerWrapper(manager, inner)
 
     with torch.no_grad():  # an evaluation forward before training: a heal must not leave its weights
@@ -66,6 +80,7 @@ def main() -> None:
         inputs.requires_grad_().register_hook(script.backward_hook())  # the last grad: the buckets still wait
         F.mse_loss(model(inputs), targets).backward()  # the buckets reduce as backward ends
         script.reduced(step)
+        sent.append(0)  # the next step's bytes
         participants = manager.num_participants()
         optimizer.step()
         committed = manager.current_step() == step + 1
@@ -74,7 +89,14 @@ def main() -> None:
             break
 
     weights = model.full_state_dict()
-    final = {"model": weights, "optimizer": state_dict()["optimizer"], "manager": manager.state_dict()}
+    final = {
+        "model": weights,
+        "optimizer": state_dict()["optimizer"],
+        "manager": manager.state_dict(),
+        "sent": sent[:-1],  # bytes this rank sent across groups, step by step
+        "rows": sum(b.stepped_grads().numel() * b.stepped_grads().element_size() for b in model.buckets),
+        "whole": sum(b.layout.size * b.stepped_grads().element_size() for b in model.buckets),
+    }
     torch.save(final, script.out / f"final_{script.replica}_{script.rank}.pt")
     manager.shutdown(wait=False)
     torch.distributed.destroy_process_group()

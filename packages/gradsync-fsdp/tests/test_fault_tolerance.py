@@ -51,6 +51,12 @@ def test_a_sharded_replica_group_killed_mid_backward_heals_each_rank_its_shard(
         if rank == 0:
             for name, tensor in reference["model"].items():
                 assert torch.equal(final["model"][name], tensor), (replica, name)
+    # HSDP's traffic: each rank sends its own rows across groups (the two ranks' rows make the buckets,
+    # padding included), plus the layout check's 7 float64s per step
+    assert finals[0, 0]["rows"] + finals[0, 1]["rows"] == finals[0, 0]["whole"]
+    for rank in range(2):
+        sent = finals[0, rank]["sent"]
+        assert sent and all(n == finals[0, rank]["rows"] + 7 * 8 for n in sent), (rank, sent)
     model = ft_fsdp_replica.build_model()
     steps = job.replay(model, ft_fsdp_replica.build_optimizer(model.parameters()), loss_of)
     assert steps == list(range(finals[0, 0]["manager"]["step"]))

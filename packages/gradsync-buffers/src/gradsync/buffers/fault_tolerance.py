@@ -122,7 +122,8 @@ class FaultTolerantHookState:
             raise RuntimeError(
                 f"replica groups disagree on the model's buckets: this one has {self.layout[0]} buckets "
                 f"(layout {self.layout[1]:#08x}); every replica group must build the same model with the "
-                "same DistributedDataParallelConfig (bucket_size, grad_reduce_in_fp32, ...)"
+                "same DistributedDataParallelConfig (bucket_size, grad_reduce_in_fp32, ...), and a sharded "
+                "model over as many ranks in each group"
             )
 
 

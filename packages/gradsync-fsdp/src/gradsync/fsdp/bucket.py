@@ -534,6 +534,14 @@ class FlatParamBucket:
         the wire, when they are not ``payload``'s own)."""
         record_collective(self.stats, op, payload, group, sent)
 
+    def stepped_grads(self) -> torch.Tensor:
+        """The part of the grad buffer this rank's optimizer steps: its shard (ZeRO-1/2/3; the same rows
+        on rank r of every replica of the model), or all of it (no_shard)."""
+        assert self.grad is not None
+        lo, hi = self.ranges.main
+        base = self.ranges.grad[0]
+        return self.grad[lo - base : hi - base]
+
     def grad_view(self, index: int) -> torch.Tensor | None:
         """Item ``index``'s reduced grad rows owned by this rank, empty when it owns none (every rank
         holds a grad, so torch's ops over all grads, ``clip_grad_norm_``, issue the same collectives on
@@ -647,7 +655,7 @@ class GradReducer:
         bucket, outer = self.bucket, self.bucket.outer
         assert outer is not None
         assert bucket.grad is not None
-        region = bucket.grad if outer.shard else self._stepped_grads()
+        region = bucket.grad if outer.shard else self.bucket.stepped_grads()
         wire = region if bucket.comm_dtype == region.dtype else region.to(bucket.comm_dtype)
         launched, sent = reduce_bucket(
             wire, outer.group, bucket.grad_comm, (bucket.bucket_id, "outer"), scatter=outer.shard,
@@ -669,7 +677,7 @@ class GradReducer:
         grads; it adds them back when it ends. The sum of reduced grads is what ZeRO-2/3 accumulate."""
         assert self.bucket.grad is not None
         assert self._reduced_earlier is None, "set aside twice without a reduction in between"
-        self._reduced_earlier = self._stepped_grads().clone()
+        self._reduced_earlier = self.bucket.stepped_grads().clone()
         self.bucket.grad.zero_()
 
     def forget_set_aside(self) -> None:
@@ -678,13 +686,5 @@ class GradReducer:
 
     def _add_back_reduced(self) -> None:
         if self._reduced_earlier is not None:
-            self._stepped_grads().add_(self._reduced_earlier)
+            self.bucket.stepped_grads().add_(self._reduced_earlier)
             self._reduced_earlier = None
-
-    def _stepped_grads(self) -> torch.Tensor:
-        """The part of the grad buffer this rank's optimizer steps."""
-        grad = self.bucket.grad
-        assert grad is not None
-        lo, hi = self.bucket.ranges.main
-        base = self.bucket.ranges.grad[0]
-        return grad[lo - base : hi - base]

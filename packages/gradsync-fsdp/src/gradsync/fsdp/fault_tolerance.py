@@ -2,12 +2,14 @@
 and torchft's ``Manager`` is the outer replication across replica groups, whose membership changes step by
 step: a group that dies is dropped, a restarted one heals from a healthy peer.
 
-This is HSDP with torchft's process group as the outer dimension. Each bucket is averaged over the group's
-own ranks, then across groups through the manager (:mod:`gradsync.buffers.fault_tolerance`, the hook
-gradsync-ddp's wrapper uses too), and each rank keeps its shard of it. The manager pairs rank r of every
-group, which holds the same shard everywhere, so healing sends each rank its own shard of the weights and
-of the optimizer state, never a gathered copy. The wire carries whole buckets across groups (a hook's
-all-reduce, not HSDP's reduce-scatter then shard all-reduce).
+This is HSDP with torchft's process group as the outer dimension, and it moves what HSDP moves: each bucket
+is reduced inside the group first, as without torchft (reduce-scatter into each rank's shard under
+ZeRO-1/2/3, overlapped with the backward), and then only the rows each rank's optimizer steps are averaged
+across the groups through the manager, once per cycle, in one all-reduce per grad dtype. The manager pairs
+rank r of every group, which holds the same rows everywhere (the layout check proves it at every step), so
+a group of G ranks sends 1/G of the model's grads across groups, where a whole-bucket hook would send all
+of them. (no_shard's rows are the whole buckets: it sends everything, as it must.) Healing likewise sends
+each rank its own shard of the weights and of the optimizer state, never a gathered copy.
 
 A heal copies into the shards in place and marks the model stepped, so the next forward installs the
 weights on every rank of the group; the quorum (``OptimizerWrapper.zero_grad()``) therefore comes before
@@ -20,6 +22,8 @@ torchft is optional (``pip install "gradsync-fsdp[torchft]"``, which needs torch
 
 from __future__ import annotations
 
+import functools
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +32,6 @@ import torch
 from gradsync.buffers.fault_tolerance import (
     FaultTolerantHookState,
     check_manager,
-    fault_tolerant_hook,
     find_lighthouse,
     layout_fingerprint,
 )
@@ -42,20 +45,44 @@ OWNER = "register_fault_tolerant_hook"
 
 
 def register_fault_tolerant_hook(model: MegatronFSDP, manager: Any) -> FaultTolerantHookState:
-    """Reduce ``model``'s buckets across replica groups through torchft's ``manager``. Call it once,
-    before the first backward, on every rank of every replica group."""
+    """Average ``model``'s reduced grads across replica groups through torchft's ``manager``. Call it
+    once, before the first backward, on every rank of every replica group."""
     check_manager(OWNER, "gradsync-fsdp", manager)
     if model.outer is not None:
         raise NotImplementedError(
             f"{OWNER}: under torchft the replica groups are the outer replication; build the model without "
             "an outer data-parallel group (shard over the replica group's own ranks only)"
         )
+    if model._step.across_replicas is not None:
+        raise RuntimeError(f"{OWNER}: the model already reduces across replica groups; register once")
     reducing = [bucket for bucket in model.buckets if bucket.grad is not None]
     layout = [(bucket.grad, bucket.spec.params) for bucket in reducing if bucket.grad is not None]
     group = model.dist_index.get_fsdp_group()
-    state = FaultTolerantHookState(manager, group, layout_fingerprint(layout))
-    model.register_comm_hook(state, fault_tolerant_hook)
+    # rank r of every group must hold the same rows: the group's size and this rank's rows are checked too
+    where = repr([(group.size(), bucket.ranges.main) for bucket in reducing]).encode()
+    state = FaultTolerantHookState(manager, group, [*layout_fingerprint(layout), zlib.crc32(where) >> 8])
+    rows = [bucket.stepped_grads() for bucket in reducing]
+    model._step.across_replicas = functools.partial(average_across_replicas, state, rows)
     return state
+
+
+def average_across_replicas(state: FaultTolerantHookState, rows: list[torch.Tensor]) -> None:
+    """Average ``rows`` (this rank's reduced rows of each bucket) across the replica groups in the quorum:
+    the layout checked first (every group raises before a byte moves if one differs), then one all-reduce
+    per dtype of a flat copy, waited (torchft's futures divide by the participants only inside ``wait()``;
+    a failed reduction is the manager's to keep: ``should_commit()`` then refuses the step, and a healing
+    group contributes zeros)."""
+    state.check_layout()
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in rows:
+        if tensor.numel():
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    flats = {dtype: torch.cat(tensors) for dtype, tensors in by_dtype.items()}
+    works = [state.manager.allreduce(flat) for flat in flats.values()]
+    for work in works:
+        work.wait()
+    for dtype, tensors in by_dtype.items():
+        torch._foreach_copy_(tensors, list(torch.split(flats[dtype], [t.numel() for t in tensors])))
 
 
 def replica_state(

@@ -151,6 +151,9 @@ class StepControl:
         self._frozen_at_wrap = params.frozen_at_wrap()
         self.all_dp_group, self.ballot, self.grad_norms = all_dp_group, ballot, grad_norms
         self.sync_grads = sync_grads
+        self.across_replicas: Callable[[], None] | None = None
+        """A stage after this model's own reductions landed (torchft's replica groups: each rank's reduced
+        shard averaged across the groups; :mod:`gradsync.fsdp.fault_tolerance`)."""
 
     def finish(self) -> None:
         """Every grad of the cycle reduced exactly once, checked, then attached to the optimizer's params;
@@ -163,6 +166,8 @@ class StepControl:
             cycle.in_backward, cycle.backward_ran, self._grad_buffers, self.abandon
         )
         self.sync_grads()
+        if self.across_replicas is not None:
+            self.across_replicas()
         self.refuse_non_finite_grads()
         counted()
         self.params.attach_grads()
