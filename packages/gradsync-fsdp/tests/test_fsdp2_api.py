@@ -44,6 +44,7 @@ from gradsync.buffers.matrix_optim import BlockShampoo, Muon, muon_param_groups
 from gradsync.buffers.testing import ABANDONED_BY_RANK_ONE
 from gradsync.fsdp import MixedPrecisionPolicy as GradsyncPrecision
 from gradsync.fsdp import uneven_dtensor_to_full_tensor
+from gradsync.fsdp.fault_tolerance import register_fault_tolerant_hook
 from gradsync.fsdp.fsdp2 import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -164,6 +165,79 @@ def test_divide_factor_one_sums_as_torchtitan_scales_the_loss(reshard: bool) -> 
     results = run_distributed(summed_loop, 2, args=(GRADSYNC, reshard, True))
     for rank, weights in enumerate(results):
         assert max_relative_difference(weights, cached_reference(2, MICRO, STEPS)) <= 1e-6, rank
+
+
+def replicas_through_the_hook(reshard: bool) -> dict[str, torch.Tensor]:
+    """torchft's FSDP2 pattern (torchtitan's ``maybe_set_all_reduce_hook``) on plain groups: two replica
+    groups of two ranks, each sharding over its own ranks, every FSDP module's all-reduce hook averaging
+    its reduced shard across the groups (rank r with rank r). Returns the whole weights."""
+    mesh = dp_mesh((2, 2))
+    shard_mesh, across = mesh["dp_shard"], mesh["dp_replicate"].get_group()
+
+    def all_reduce_hook(output: torch.Tensor) -> None:
+        dist.all_reduce(output, group=across)  # gloo has no average: the sum, then divided
+        output.div_(across.size())
+
+    model = TinyTransformer()
+    for block in model.blocks:
+        fully_shard(block, mesh=shard_mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=shard_mesh, reshard_after_forward=reshard)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_all_reduce_hook(all_reduce_hook)
+    optimizer = make_optimizer(model.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(STEPS):
+        batches = local_microbatches(step, rank, world, MICRO)
+        for i, batch in enumerate(batches):
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+            (model(batch) / MICRO).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return whole_weights(model)
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["zero3", "zero2"])
+def test_an_all_reduce_hook_across_replica_groups_trains_like_one_process(reshard: bool) -> None:
+    """Each group sees half the global batch; the hook makes every group's step the whole batch's."""
+    for rank, weights in enumerate(run_distributed(replicas_through_the_hook, 4, args=(reshard,))):
+        assert max_relative_difference(weights, cached_reference(4, MICRO, STEPS)) <= 1e-6, rank
+
+
+def step_after_a_dropped_cycle(drop_one: bool) -> dict[str, torch.Tensor]:
+    """One step on step 1's batch; ``drop_one``: after a backward on step 0's batch whose grads
+    ``optimizer.zero_grad()`` dropped with no step between (a step torchft did not commit)."""
+    model = TinyTransformer()
+    two_units(model)
+    fully_shard(model)
+    optimizer = make_optimizer(model.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if drop_one:
+        model(local_microbatches(0, rank, world, 1)[0]).backward()
+        optimizer.zero_grad()
+    model(local_microbatches(1, rank, world, 1)[0]).backward()
+    optimizer.step()
+    return whole_weights(model)
+
+
+def test_grads_dropped_without_a_step_start_the_next_cycle_from_none() -> None:
+    """As torch's FSDP2: the next backward's grads are the only ones the step applies."""
+    dropped = run_distributed(step_after_a_dropped_cycle, 2, args=(True,))
+    fresh = run_distributed(step_after_a_dropped_cycle, 2, args=(False,))
+    for got, want in zip(dropped, fresh, strict=True):
+        assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+def refuse_fault_tolerance_on_a_unit(model: TinyTransformer) -> None:
+    two_units(model)
+    fully_shard(model)
+    register_fault_tolerant_hook(model.blocks[0], manager=None)  # refused before the manager is read
+
+
+def refuse_a_hook_stream(model: TinyTransformer) -> None:
+    two_units(model)
+    fully_shard(model)
+    model.set_all_reduce_hook(lambda output: None, stream=object())
 
 
 def summed_by_both(reshard: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -567,7 +641,16 @@ REFUSALS: dict[str, tuple[Any, str]] = {  # what to do, and the message's fragme
     ),
     "all-reduce hook": (
         lambda m: refuse_on_built(m, "set_all_reduce_hook", None),
-        "set_all_reduce_hook() is not supported … outer_dp_sharding_strategy",
+        "FSDPTinyTransformer.set_all_reduce_hook: hook must be callable, got NoneType",
+    ),
+    "all-reduce hook on a stream": (
+        refuse_a_hook_stream,
+        "FSDPTinyTransformer.set_all_reduce_hook(stream=...): gradsync runs the hook on the stream its "
+        "reduction waits on",
+    ),
+    "fault tolerance on a unit": (
+        refuse_fault_tolerance_on_a_unit,
+        "register_fault_tolerant_hook: FSDPBlock is one unit of a fully_shard model; pass its root module",
     ),
     "reset_iter_state": (
         lambda m: refuse_on_built(m, "reset_iter_state"),

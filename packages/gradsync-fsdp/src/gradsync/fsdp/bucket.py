@@ -370,6 +370,7 @@ class FlatParamBucket:
         # the root's scaling, an average over the data-parallel ranks)
         self.divide_factor: float | None = None
         self.comm_hook: RegisteredHook | None = None  # MegatronFSDP.register_comm_hook's
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None  # FSDPModule's, on each shard
         self.hook_index = 0  # this bucket's index as the hook sees it
         self.status = BucketStatus.READY_TO_USE
         if packed_in_place:  # the first forward computes with the packed weights too, as every later one
@@ -637,9 +638,13 @@ class GradReducer:
             self._add_back_reduced()
 
     def finish_shard(self, shard: torch.Tensor) -> None:
-        """Land this rank's reduced shard (a reduce-scatter's result) in the grad buffer."""
+        """Land this rank's reduced shard (a reduce-scatter's result) in the grad buffer, after the
+        FSDP2-style all-reduce hook has had it (torch's order: the hook sees this backward's reduced
+        shard, before it accumulates)."""
         bucket = self.bucket
         assert bucket.grad is not None
+        if bucket.all_reduce_hook is not None:
+            bucket.all_reduce_hook(shard)
         if bucket.sharding.shard_grads:
             bucket.grad.add_(shard)
             bucket.unreduced.drop()

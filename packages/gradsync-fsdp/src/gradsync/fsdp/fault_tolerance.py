@@ -37,6 +37,8 @@ from gradsync.buffers.fault_tolerance import (
 )
 from gradsync.buffers.torch_internals import local_tensor
 
+from .fsdp2.api import megatron_fsdp_of
+from .fsdp2.module import FSDPModule
 from .megatron_fsdp import MegatronFSDP
 
 __all__ = ["find_lighthouse", "register_fault_tolerant_hook", "replica_state"]
@@ -44,9 +46,11 @@ __all__ = ["find_lighthouse", "register_fault_tolerant_hook", "replica_state"]
 OWNER = "register_fault_tolerant_hook"
 
 
-def register_fault_tolerant_hook(model: MegatronFSDP, manager: Any) -> FaultTolerantHookState:
+def register_fault_tolerant_hook(model: MegatronFSDP | FSDPModule, manager: Any) -> FaultTolerantHookState:
     """Average ``model``'s reduced grads across replica groups through torchft's ``manager``. Call it
-    once, before the first backward, on every rank of every replica group."""
+    once, before the first backward, on every rank of every replica group. ``model``: a MegatronFSDP, or
+    the root module of the FSDP2-style API's ``fully_shard`` calls."""
+    model = _megatron_fsdp(model)
     check_manager(OWNER, "gradsync-fsdp", manager)
     if model.outer is not None:
         raise NotImplementedError(
@@ -86,11 +90,13 @@ def average_across_replicas(state: FaultTolerantHookState, rows: list[torch.Tens
 
 
 def replica_state(
-    model: MegatronFSDP, optimizer: torch.optim.Optimizer
+    model: MegatronFSDP | FSDPModule, optimizer: torch.optim.Optimizer
 ) -> tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]:
     """The manager's ``state_dict`` and ``load_state_dict``: this rank's shard of every param (the
     optimizer's main weights) and of the optimizer's state, as local tensors; loading copies them into
-    the shards in place and marks the model stepped (the next forward installs the weights)."""
+    the shards in place and marks the model stepped (the next forward installs the weights). ``model``:
+    as :func:`register_fault_tolerant_hook` takes it."""
+    model = _megatron_fsdp(model)
     params = list(model.parameters())
     ordered = [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -128,6 +134,23 @@ def replica_state(
         model.mark_stepped()
 
     return state_dict, load_state_dict
+
+
+def _megatron_fsdp(model: MegatronFSDP | FSDPModule) -> MegatronFSDP:
+    """The MegatronFSDP behind ``model``: itself, or the one the root ``fully_shard`` call built."""
+    if isinstance(model, MegatronFSDP):
+        return model
+    if isinstance(model, FSDPModule):
+        fsdp = megatron_fsdp_of(model)
+        if fsdp.module is not model:
+            raise ValueError(
+                f"{OWNER}: {type(model).__name__} is one unit of a fully_shard model; pass its root module "
+                "(the last fully_shard call), which holds every unit"
+            )
+        return fsdp
+    raise TypeError(
+        f"{OWNER}: model must be a MegatronFSDP or a fully_shard root, got {type(model).__name__}"
+    )
 
 
 def _plain(value: Any) -> Any:

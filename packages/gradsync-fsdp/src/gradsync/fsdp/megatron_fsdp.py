@@ -270,6 +270,12 @@ class MegatronFSDP(OptimizerFacing):
         return self._step.cycle.grads_pending
 
     @property
+    def cycle_finished(self) -> bool:
+        """Whether ``finish_grad_sync()`` handed this cycle's grads to the optimizer's params and no
+        backward ran since."""
+        return self._step.cycle.grads_finished
+
+    @property
     def microbatch_count(self) -> int:
         """Backwards since the last ``finish_grad_sync()``."""
         return self._hooks.cycle.microbatch_count

@@ -74,7 +74,11 @@ class _Root:
         if event is not None:
             event.wait()
         if not self.fsdp.steps.grads_consumed:
-            if self.fsdp.step_left_broken:  # the last step raised (here or elsewhere): settle it now
+            # the last step raised (here or elsewhere), or a finished cycle's grads were dropped with no
+            # step (torchft's OptimizerWrapper skips a step the quorum did not commit; the loop's
+            # zero_grad() then drops them, as torch's FSDP2 starts the retried step from none)
+            dropped = self.fsdp.cycle_finished and all(p.grad is None for p in self.fsdp.parameters())
+            if self.fsdp.step_left_broken or dropped:
                 self.fsdp.zero_grad_buffer()
             return
         named = [(n, local_tensor(p.grad)) for n, p in self.fsdp.named_parameters() if p.grad is not None]
@@ -448,6 +452,30 @@ class FSDPModule(nn.Module):
             raise TypeError(f"set_post_optim_event: event must be a torch.Event, not {type(event).__name__}")
         self._fsdp2_root().post_optim_event = event
 
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Call ``hook(reduce_output)`` on this rank's reduced grad shard of this module's own params after
+        each reduce-scatter, before the shard accumulates into the DTensors' grads, as torch's does:
+        torchft's FSDP2 integration averages it across replica groups there, in place. gradsync calls
+        it once per bucket of the module (a module's params may fill several; an all-reduce is the same
+        split or whole). Not under an HSDP mesh, whose outer all-reduce gradsync runs itself, and on the
+        current stream only."""
+        name = f"{type(self).__name__}.set_all_reduce_hook"
+        if not callable(hook):
+            raise TypeError(f"{name}: hook must be callable, got {type(hook).__name__}")
+        if stream is not None:
+            raise NotImplementedError(
+                f"{name}(stream=...): gradsync runs the hook on the stream its reduction waits on; leave "
+                "stream unset"
+            )
+        fsdp, buckets = self._own_buckets()
+        if fsdp.outer is not None:
+            raise NotImplementedError(
+                f"{name}: under an HSDP mesh gradsync runs the outer all-reduce itself "
+                "(outer_dp_sharding_strategy); shard over a 1-D mesh to all-reduce across groups in the hook"
+            )
+        for bucket in buckets:
+            bucket.all_reduce_hook = hook
+
     def _own_buckets(self) -> tuple[MegatronFSDP, list[FlatParamBucket]]:
         """This module's buckets: a unit's, or the root's own (outside every unit)."""
         fsdp = self._fsdp2_root().fsdp
@@ -479,9 +507,6 @@ class FSDPModule(nn.Module):
     set_reduce_scatter_max_input_buffers = _not_supported(
         "set_reduce_scatter_max_input_buffers",
         "ZeRO-2/3's reductions in flight are bounded by megatron_fsdp_of(model).suggested_RS_queue_capacity",
-    )
-    set_all_reduce_hook = _not_supported(
-        "set_all_reduce_hook", "gradsync runs HSDP's outer all-reduce itself (outer_dp_sharding_strategy)"
     )
     set_keep_unsharded_storage = _not_supported(
         "set_keep_unsharded_storage",
