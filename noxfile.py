@@ -36,7 +36,7 @@ TEST_EXTRAS = {"ddp": ("torchft",), "fsdp": ("torchft",)}
 FAULT_TESTS = {  # tests directory -> the files that need torchft
     ROOT / "packages" / "gradsync-ddp" / "tests": ("test_fault_tolerance.py",),
     ROOT / "packages" / "gradsync-fsdp" / "tests": ("test_fault_tolerance.py",),
-    ROOT / "integration": ("test_train_ft.py",),
+    ROOT / "integration": ("test_train_ft.py", "test_ft_examples.py"),
 }
 SLOWEST = "--durations=10"  # every test session names its slowest tests, so a slow CI run shows where it went
 # The ranks of a multi-rank test sit idle in rendezvous and start-up much of the time, so two test files run
@@ -162,7 +162,8 @@ def typecheck(session: nox.Session) -> None:
         "examples",
     ]
     # benchmarks/ scripts import each other (bench_ab reuses bench_worker), as they run with it on the path
-    search = os.pathsep.join(str(ROOT / d) for d in ("integration", "benchmarks"))
+    # and examples/ too (the fault-tolerance examples share torchft_loop.py)
+    search = os.pathsep.join(str(ROOT / d) for d in ("integration", "benchmarks", "examples"))
     session.run("mypy", *scripts, env={"MYPYPATH": search})
 
 
