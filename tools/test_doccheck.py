@@ -116,7 +116,7 @@ PLANTS = [
         "`train.py --strategy fsdp-optim_grads_params --hsdp 2`",
         "says 'The session'",
     ),
-    ("README.md", "Alpha (0.2 to 0.8)", "Alpha (0.2 to 0.5)", "the packages span 0.2 to 0.8"),
+    ("README.md", "Alpha (0.2 to 0.9)", "Alpha (0.2 to 0.5)", "the packages span 0.2 to 0.9"),
     (
         "docs/checkpoints.md",
         "gradsync-fsdp 0.3.0 and earlier",
