@@ -158,6 +158,9 @@ BENCH_MARK = re.compile(r"^<!-- (/?)bench:[\w-]+ -->$")
 """A line opening or closing a block of figures rendered from benchmarks/results.json."""
 SOURCE = re.compile(r"^Source: \S.{9,}$")  # figures quoted from another publication
 COMMIT = re.compile(r"\bcommit ([0-9a-f]{7,40})\b")
+DISTANCE = re.compile(r"\bat ([0-9a-f]{7,40}), (20\d\d-\d\d-\d\d), at least (\d+) commits before this tree\b")
+"""A claim of how far the tree has moved since a commit (the GPU status): ``python tools/doccheck.py
+--refresh-distances`` writes the current distance."""
 DATE = re.compile(r"\b(20\d\d)-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])\b")
 TORCH_VERSION = re.compile(r"\btorch \d+\.\d+")
 UNIT = r"(?:ms|us|µs|s|min|MiB|GiB|KiB|MB|GB|GB/s|tok/s|GFLOP|%)"
@@ -232,6 +235,13 @@ class Context:
             )
             self.commits_checked[commit] = result.returncode == 0
         return self.commits_checked[commit]
+
+    def git(self, *args: str) -> str | None:
+        """``git ARGS``'s output in the repository, or None when it fails (a commit not in a clone)."""
+        result = subprocess.run(
+            ["git", "-C", str(self.root), *args], capture_output=True, text=True, check=False
+        )
+        return result.stdout.strip() if result.returncode == 0 else None
 
     def cli_flags(self, argv: tuple[str, ...]) -> frozenset[str]:
         """The flags ``python ARGV --help`` prints (empty when it fails to run)."""
@@ -436,6 +446,7 @@ def check_doc(ctx: Context, rel: str, text: str) -> list[Problem]:
     problems += check_links(ctx, rel, lines)
     problems += check_provenance(ctx, rel, lines)
     problems += check_versions(ctx, rel, lines)
+    problems += check_distances(ctx, rel, lines)
     problems += check_bench_quotes(ctx, rel, text, lines)
     problems += [
         Problem(rel, number, f"says {phrase!r}: state the fact or rule itself")
@@ -718,6 +729,40 @@ def _check_provenance_line(ctx: Context, rel: str, line: Line) -> Iterator[Probl
         )
 
 
+def commit_distance(ctx: Context, commit: str) -> tuple[str, int] | None:
+    """``commit``'s date and the commits since it in this tree, or None where git does not know it."""
+    date = ctx.git("log", "-1", "--format=%cs", commit)
+    count = ctx.git("rev-list", "--count", f"{commit}..HEAD")
+    return None if date is None or count is None else (date, int(count))
+
+
+def check_distances(ctx: Context, rel: str, lines: list[Line]) -> Iterator[Problem]:
+    """'at COMMIT, DATE, at least N commits before this tree': the commit's own date, and N no more than
+    the commits since it (N only grows truer as the tree moves on)."""
+    for number, text, _ in logical_lines(lines):
+        for match in DISTANCE.finditer(text):
+            commit, date, claimed = match.group(1), match.group(2), int(match.group(3))
+            known = commit_distance(ctx, commit)
+            if known is None:
+                yield Problem(rel, number, f"names commit {commit}, not in this repository")
+            elif known[0] != date:
+                yield Problem(rel, number, f"dates commit {commit} {date}; it is {known[0]}")
+            elif claimed > known[1]:
+                yield Problem(rel, number, f"says {claimed} commits since {commit}; there are {known[1]}")
+
+
+def refresh_distances(ctx: Context, path: Path) -> None:
+    """Rewrite each distance claim in ``path`` to the commits since its commit now."""
+
+    def current(match: re.Match[str]) -> str:
+        known = commit_distance(ctx, match.group(1))
+        if known is None:
+            return match.group(0)
+        return f"at {match.group(1)}, {known[0]}, at least {known[1]} commits before this tree"
+
+    path.write_text(DISTANCE.sub(current, path.read_text()))
+
+
 def check_changelog(rel: str, text: str) -> Iterator[Problem]:
     unreleased = 0
     first = True
@@ -791,7 +836,14 @@ def main(argv: list[str]) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("docs", nargs="*", type=Path, help="docs to check (default: every doc)")
+    parser.add_argument(
+        "--refresh-distances", action="store_true", help="first rewrite each 'at least N commits' claim"
+    )
     args = parser.parse_args(argv)
+    if args.refresh_distances:
+        ctx = Context(ROOT)
+        for path in [p.resolve() for p in args.docs] or doc_paths(ROOT):
+            refresh_distances(ctx, path)
     problems = check(ROOT, [p.resolve() for p in args.docs] or None)
     for problem in problems:
         print(problem)

@@ -117,6 +117,8 @@ PLANTS = [
         "says 'The session'",
     ),
     ("README.md", "Alpha (0.2 to 0.9)", "Alpha (0.2 to 0.5)", "the packages span 0.2 to 0.9"),
+    ("README.md", "02fc30c, 2026-11-26, at least", "02fc30c, 2026-11-25, at least", "it is 2026-11-26"),
+    ("README.md", "02fc30c, 2026-11-26, at least", "0000000, 2026-11-26, at least", "names commit 0000000"),
     (
         "docs/checkpoints.md",
         "gradsync-fsdp 0.3.0 and earlier",
