@@ -66,27 +66,42 @@ def register_fault_tolerant_hook(model: MegatronFSDP | FSDPModule, manager: Any)
     where = repr([(group.size(), bucket.ranges.main) for bucket in reducing]).encode()
     state = FaultTolerantHookState(manager, group, [*layout_fingerprint(layout), zlib.crc32(where) >> 8])
     rows = [bucket.stepped_grads() for bucket in reducing]
-    model._step.across_replicas = functools.partial(average_across_replicas, state, rows)
+    model._step.across_replicas = functools.partial(average_across_replicas, state, FlatRows(rows))
     return state
 
 
-def average_across_replicas(state: FaultTolerantHookState, rows: list[torch.Tensor]) -> None:
+class FlatRows:
+    """This rank's reduced rows of every bucket, gathered per dtype into one flat buffer built once (the
+    rows are views of the persistent grad buffers), so the cross-group stage is one all-reduce per dtype
+    with no allocation per step."""
+
+    def __init__(self, rows: list[torch.Tensor]) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in rows:
+            if tensor.numel():
+                by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        self.groups = []  # (the rows, the flat buffer, its pieces shaped as the rows)
+        for tensors in by_dtype.values():
+            flat = torch.empty(
+                sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device
+            )
+            self.groups.append((tensors, flat, list(torch.split(flat, [t.numel() for t in tensors]))))
+
+
+def average_across_replicas(state: FaultTolerantHookState, rows: FlatRows) -> None:
     """Average ``rows`` (this rank's reduced rows of each bucket) across the replica groups in the quorum:
     the layout checked first (every group raises before a byte moves if one differs), then one all-reduce
-    per dtype of a flat copy, waited (torchft's futures divide by the participants only inside ``wait()``;
-    a failed reduction is the manager's to keep: ``should_commit()`` then refuses the step, and a healing
-    group contributes zeros)."""
+    per dtype of the flat buffer, waited (torchft's futures divide by the participants only inside
+    ``wait()``; a failed reduction is the manager's to keep: ``should_commit()`` then refuses the step,
+    and a healing group contributes zeros)."""
     state.check_layout()
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in rows:
-        if tensor.numel():
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    flats = {dtype: torch.cat(tensors) for dtype, tensors in by_dtype.items()}
-    works = [state.manager.allreduce(flat) for flat in flats.values()]
+    for tensors, _, pieces in rows.groups:
+        torch._foreach_copy_(pieces, tensors)
+    works = [state.manager.allreduce(flat) for _, flat, _ in rows.groups]
     for work in works:
         work.wait()
-    for dtype, tensors in by_dtype.items():
-        torch._foreach_copy_(tensors, list(torch.split(flats[dtype], [t.numel() for t in tensors])))
+    for tensors, _, pieces in rows.groups:
+        torch._foreach_copy_(tensors, pieces)
 
 
 def replica_state(

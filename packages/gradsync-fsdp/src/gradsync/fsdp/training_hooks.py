@@ -85,9 +85,12 @@ class TrainingHooks:
         # a grad of a param outside every unit goes to its bucket from its own hook; a unit's grads go in
         # its post-backward, each bucket's in one call (and any left over at the backward's end)
         outside = {bucket.bucket_id for bucket in self.buckets.outside_units}
-        trainable = [record for record in params.records if record.compute.requires_grad]
+        trainable: dict[int, list[ShardedParam]] = {}  # by bucket id, in one pass over the records
+        for record in params.records:
+            if record.compute.requires_grad:
+                trainable.setdefault(record.bucket.bucket_id, []).append(record)
         self._unit_grads: list[list[tuple[FlatParamBucket, list[ShardedParam]]]] = [
-            [(bucket, [r for r in trainable if r.bucket is bucket]) for bucket in buckets]
+            [(bucket, trainable.get(bucket.bucket_id, [])) for bucket in buckets]
             for buckets in self.buckets.of_unit
         ]
         grad_hooks = [
