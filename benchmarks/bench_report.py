@@ -24,14 +24,14 @@ system run alone in its own processes, ``floor`` on one rank)."""
 
 BLOCK = re.compile(r"^<!-- bench:([\w-]+) -->\n(.*?)^<!-- /bench:\1 -->$", re.MULTILINE | re.DOTALL)
 
-TARGETS = [  # (system, peer, at most this ratio of the peer's step time)
-    ("gradsync-fsdp-no_shard", "gradsync-ddp+overlap", 1.0),
-    ("gradsync-fsdp-optim", "gradsync-ddp+distopt", 1.0),
-    ("gradsync-fsdp-no_shard", "torch-ddp", 1.0),
-    ("gradsync-fsdp-optim", "torch-ddp", 1.0),
-    ("gradsync-fsdp-optim", "deepspeed-zero1", 1.0),
-    ("gradsync-fsdp-optim_grads", "deepspeed-zero2", 1.0),
-    ("gradsync-fsdp-optim_grads_params", "torch-fsdp2", 0.90),
+COMPARISONS = [  # (gradsync's system, the peer whose step it is read against)
+    ("gradsync-fsdp-no_shard", "gradsync-ddp+overlap"),
+    ("gradsync-fsdp-optim", "gradsync-ddp+distopt"),
+    ("gradsync-fsdp-no_shard", "torch-ddp"),
+    ("gradsync-fsdp-optim", "torch-ddp"),
+    ("gradsync-fsdp-optim", "deepspeed-zero1"),
+    ("gradsync-fsdp-optim_grads", "deepspeed-zero2"),
+    ("gradsync-fsdp-optim_grads_params", "torch-fsdp2"),
 ]
 MEMORY_PEERS = {  # each gradsync strategy against the peers that shard as much
     "gradsync-ddp": ["torch-ddp"],
@@ -44,6 +44,12 @@ MEMORY_PEERS = {  # each gradsync strategy against the peers that shard as much
     "gradsync-fsdp-optim_grads_params": ["torch-fsdp2", "deepspeed-zero3"],
     "gradsync-fsdp-optim_grads_params+double-buffer": ["torch-fsdp2", "deepspeed-zero3"],
 }
+FSDP2_ON_GLOO = (
+    "torch FSDP2 on gloo: its reduce-scatter (gloo's `reduce_scatter_tensor`) runs as an all-reduce, "
+    "twice the wire bytes a reduce-scatter needs, where gradsync reduce-scatters through an all-to-all and "
+    "a local sum; NCCL reduce-scatters natively, so this part of FSDP2's gap is gloo's, not FSDP2's."
+)
+"""The caveat beside every table that compares against torch FSDP2 on gloo."""
 FRONT_PAGE = [  # (system, its name on the front page)
     ("torch-ddp", "torch DDP"),
     ("gradsync-ddp+overlap", "gradsync-ddp, overlapped all-reduce"),
@@ -105,33 +111,33 @@ def _rss_mib(data: Results, system: str) -> str:
     return f"{data['alone'][system]['peak_rss_bytes'] / 2**20:.0f} MiB"
 
 
-def target_lines(data: Results) -> list[str]:
-    """Each step-time target and each memory comparison, met or not."""
+def comparison_lines(data: Results) -> list[str]:
+    """Each gradsync strategy's step over its peer's, and its peak RSS beside the lowest of the peers that
+    shard as much: the figures only, for the reader to weigh against the spread."""
     times, alone = data["times"], data["alone"]
     lines = []
-    for system, peer, bound in TARGETS:
+    for system, peer in COMPARISONS:
         if system in times and peer in times:
             ratio = times[system]["ratio"] / times[peer]["ratio"]
-            verdict = "met" if ratio <= bound else "missed"
             lines.append(
                 f"- {system} {times[system]['ratio']:.3f}x against {peer} {times[peer]['ratio']:.3f}x: "
-                f"{ratio:.3f} of it (target <= {bound:.2f}): {verdict}"
+                f"{ratio:.3f} of its step"
             )
     for system, peers in MEMORY_PEERS.items():
         present = [p for p in peers if p in alone]
         if system in alone and present:
             mine = alone[system]["peak_rss_bytes"]
             lowest = min(alone[p]["peak_rss_bytes"] for p in present)
-            verdict = "met" if mine <= lowest else "missed"
             lines.append(
                 f"- peak RSS of {system} {mine / 2**20:.0f} MiB against {', '.join(present)} "
-                f"(lowest {lowest / 2**20:.0f} MiB): {verdict}"
+                f"(lowest {lowest / 2**20:.0f} MiB)"
             )
     return lines
 
 
 def results_md(data: Results) -> str:
-    """benchmarks/RESULTS.md: one table of every system, the targets, and how to read the wire column."""
+    """benchmarks/RESULTS.md: one table of every system, each strategy against its peer, and how to read
+    the wire column."""
     run, times, alone = data["run"], data["times"], data["alone"]
     floor = alone["floor"]
     world = run["world"]
@@ -175,13 +181,20 @@ def results_md(data: Results) -> str:
             f"{wire / ring if ring else 0:.2f}x | {row['peak_rss_bytes'] / 2**20:.0f} | "
             f"{row['peak_rss_bytes'] / floor['peak_rss_bytes']:.2f}x |"
         )
-    lines += ["", "Targets, step times as ratios in the same interleaved runs:", "", *target_lines(data)]
+    lines += [
+        "",
+        "Each gradsync strategy against its peer: step times as ratios in the same interleaved runs, and "
+        "peak RSS beside the lowest of the peers that shard as much:",
+        "",
+        *comparison_lines(data),
+    ]
     lines += [
         "",
         "Reading the wire column: gradsync reduce-scatters a CPU bucket over gloo as an all-to-all of its "
         "shards (each rank sends (p-1)/p of the bucket) and gathers params by one broadcast per shard from "
         "its owner, so ZeRO-1/2 send about what an all-reduce sends, split between the grads and the "
-        "params. torch FSDP2 calls gloo's `reduce_scatter_tensor`, which all-reduces and keeps a part. "
+        "params. torch FSDP2 calls gloo's `reduce_scatter_tensor`, which all-reduces and keeps a part: twice "
+        "the bytes a reduce-scatter needs, a cost of gloo's (NCCL reduce-scatters natively). "
         "ZeRO-3 (FSDP2, gradsync's fsdp-optim_grads_params, DeepSpeed ZeRO-3) also gathers the params "
         "again for backward; gradsync keeps the last block gathered from its forward into the backward, "
         "one block's gather less per step. DeepSpeed ZeRO-3 keeps params below its "
@@ -212,7 +225,7 @@ def front_page(data: Results) -> str:
         for system, name in FRONT_PAGE
         if system in data["times"]
     ]
-    return "\n".join([*lines, "", provenance(data)]) + "\n"
+    return "\n".join([*lines, "", FSDP2_ON_GLOO, "", provenance(data)]) + "\n"
 
 
 def side_by_side(data: Results) -> str:
@@ -238,7 +251,7 @@ def side_by_side(data: Results) -> str:
         "|---|---|---|",
     ]
     lines += [f"| {row} | {cell(mine)} | {cell(theirs)} |" for row, mine, theirs in SIDE_BY_SIDE]
-    lines += ["", *target_lines(data), "", provenance(data)]
+    lines += ["", FSDP2_ON_GLOO, "", *comparison_lines(data), "", provenance(data)]
     return "\n".join(lines) + "\n"
 
 
