@@ -96,11 +96,16 @@ PLANTS = [
     ("docs/planner.md", "The α-β form fits", "This session, the α-β form fits", "says 'This session'"),
     (
         "docs/performance.md",
-        "(the targets in brackets)",
-        "(the issue's targets in brackets)",
+        "Against each strategy's twin in the same job",
+        "Against the issue's twin of each strategy",
         'says "the issue\'s"',
     ),
-    ("docs/performance.md", "(a one-off timing script,", "(a scratch script,", "says 'scratch script'"),
+    (
+        "docs/performance.md",
+        "timed alone with `timeit`",
+        "timed alone with a scratch script",
+        "says 'scratch script'",
+    ),
     ("docs/planner.md", "The α-β form fits", "On our machines the α-β form fits", "says 'our machines'"),
     ("docs/planner.md", "The α-β form fits", "Each session found the α-β form fits", "says 'Each session'"),
     ("docs/planner.md", "The α-β form fits", "In a session, the α-β form fits", "says 'a session'"),
@@ -127,8 +132,8 @@ PLANTS = [
     ),
     (
         "docs/performance.md",
-        "([how the benchmarks measure](#how-the-benchmarks-measure-figures-2-core-intel-xeon);",
-        "([how the benchmarks measure](#how-the-benchmarks-measure-\nfigures-2-core-intel-xeon);",
+        "([how the benchmarks measure](#how-the-benchmarks-measure-figures-2-core-intel-xeon)).",
+        "([how the benchmarks measure](#how-the-benchmarks-measure-\nfigures-2-core-intel-xeon)).",
         "a link target wraps onto the next line",
     ),
     (
