@@ -61,7 +61,8 @@ def find_lighthouse(address: str | None = None, timeout: float = 5.0) -> str:
     if not address:
         raise ValueError(
             f"no torchft lighthouse given: {start}, then pass its address "
-            "(http://HOST:29510) or set TORCHFT_LIGHTHOUSE to it"
+            "(http://HOST:29510) or set TORCHFT_LIGHTHOUSE to it (--min_replicas for several replica groups: "
+            "see docs/troubleshooting.md#quorum-and-lighthouse-settings)"
         )
     parts = urlsplit(address if "://" in address else f"http://{address}")
     if parts.hostname is None or parts.port is None:
@@ -76,7 +77,8 @@ def find_lighthouse(address: str | None = None, timeout: float = 5.0) -> str:
                 raise ConnectionError(
                     f"no torchft lighthouse answers at {address} within {timeout:g} s ({error}): {start} "
                     "on that host and port before the replica groups, or fix the address "
-                    "(TORCHFT_LIGHTHOUSE)"
+                    "(TORCHFT_LIGHTHOUSE; --min_replicas for several replica groups: see "
+                    "docs/troubleshooting.md#quorum-and-lighthouse-settings)"
                 ) from error
             time.sleep(0.1)
 
@@ -123,7 +125,7 @@ class FaultTolerantHookState:
                 f"replica groups disagree on the model's buckets: this one has {self.layout[0]} buckets "
                 f"(layout {self.layout[1]:#08x}); every replica group must build the same model with the "
                 "same DistributedDataParallelConfig (bucket_size, grad_reduce_in_fp32, ...), and a sharded "
-                "model over as many ranks in each group"
+                "model over as many ranks in each group (see docs/troubleshooting.md#under-torchft)"
             )
 
 

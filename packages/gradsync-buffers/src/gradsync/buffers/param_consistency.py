@@ -147,12 +147,13 @@ def _check(mine: Described, group: dist.ProcessGroup, kind: str, who: str) -> No
     if setting is not None:
         raise ValueError(
             f"{who}: {kind} ranks {ranks[0]} and {ranks[odd]} were built with different settings: {setting}. "
-            f"Every {kind} rank must construct the wrapper with the same config and arguments."
+            f"Every {kind} rank must construct the wrapper with the same config and arguments "
+            "(see docs/troubleshooting.md#at-construction-ranks-disagree)."
         )
     raise ValueError(
         f"{who}: the model differs between {kind} ranks {ranks[0]} and {ranks[odd]}: "
         f"{_first_difference(reference[1], theirs[1])}. Every {kind} rank must wrap the same parameters "
-        "(names, shapes, dtypes, requires_grad)."
+        "(names, shapes, dtypes, requires_grad; see docs/troubleshooting.md#at-construction-ranks-disagree)."
     )
 
 

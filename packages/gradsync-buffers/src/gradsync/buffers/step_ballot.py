@@ -160,7 +160,8 @@ class StepBallot:
                         f"{self.who}: rank(s) {abandoned} of the data-parallel group abandoned this step "
                         f"(each raised its reason), so the grads reduced on rank {dist.get_rank()} lack "
                         "their part: no rank may step on them. Fix the cause on those ranks; to skip a "
-                        "batch on one rank, run its backward with the loss multiplied by 0."
+                        "batch on one rank, run its backward with the loss multiplied by 0 (see "
+                        "docs/troubleshooting.md#a-rank-abandons-its-step)."
                     )
 
         return check

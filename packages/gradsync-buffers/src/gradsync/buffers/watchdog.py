@@ -292,6 +292,7 @@ class HangWatchdog:
                 f"The side group has been silent for {silent:.1f} s (a rank is stopped, dead or stuck "
                 f"holding its interpreter){cause}; the ranks above are as of the last round they answered."
             )
+        lines.append("(How to read this report: docs/troubleshooting.md#a-step-hangs.)")
         return " ".join(lines)
 
 
