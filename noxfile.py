@@ -515,3 +515,13 @@ def train(session: nox.Session) -> None:
         f"--out-dir={out_dir}",
         *session.posargs,
     )
+
+
+@nox.session
+def pictures(session: nox.Session) -> None:
+    """The layout pictures in docs/ (not a test): the flat buffers of gradsync DDP with the distributed
+    optimizer and of MegatronFSDP ZeRO-3, the HSDP mesh and the torchft layout, drawn from the packages' own
+    layout code by tools/draw_layouts.py (arguments go to it: --out-dir). An unchanged tree redraws the same
+    bytes."""
+    install_local(session, "fsdp", extra=("matplotlib",))
+    session.run("python", str(ROOT / "tools" / "draw_layouts.py"), *session.posargs)

@@ -17,7 +17,9 @@ Checked in every README, CONTRIBUTING.md, benchmarks/RESULTS.md and docs/*.md (`
 - ``--flags`` after a documented command (``integration/train.py``, ``nox -s train --``,
   ``python -m gradsync.buffers.plan``, the benchmark scripts, ``tools/mutations.py``) are flags its
   ``--help`` lists; a lone backticked ``--flag`` is a flag of one of them or of a launcher.
-- Relative links point to files that exist, and ``#anchors`` to headings in them.
+- Relative links point to files that exist (images too), and ``#anchors`` to headings in them.
+- Every picture tools/draw_layouts.py draws (its ``PICTURES``) is in docs/ and shown by a doc, in a
+  section that says how to redraw it (``nox -s pictures``).
 - A figure (a table cell or a sentence with a measured quantity: ``12.9 ms``, ``1.167x``, ``538 MiB``,
   ``tok/s``, ...) has a provenance line in its section (between two headings)::
 
@@ -78,9 +80,12 @@ PY_GLOBS = (
     "integration/**/*.py",
     "benchmarks/*.py",
     "tools/mutations.py",  # not the doc check itself: its test holds the planted wrong names
+    "tools/draw_layouts.py",
     "noxfile.py",
 )
 NAMES_FILE = "tools/doccheck_names.txt"
+PICTURES_SCRIPT = "tools/draw_layouts.py"
+REDRAW = "nox -s pictures"
 
 # The torch modules whose public names (and their classes' attributes) the docs may name bare.
 TORCH_MODULES = (
@@ -152,6 +157,7 @@ CODE_SPAN = re.compile(r"`([^`\n]+)`")
 NOX_SESSION = re.compile(r"\bnox\s+(?:-\S+\s+)*?(?:-s|--sessions?)\s+([\w.\-]+)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s#]+)\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 PROVENANCE = re.compile(r"^(?:Measured|Computed): (.+)$")
 BENCH_MARK = re.compile(r"^<!-- (/?)bench:[\w-]+ -->$")
@@ -763,6 +769,53 @@ def refresh_distances(ctx: Context, path: Path) -> None:
     path.write_text(DISTANCE.sub(current, path.read_text()))
 
 
+def drawn_pictures(root: Path) -> tuple[int, list[str]]:
+    """The line of ``PICTURES`` in tools/draw_layouts.py and the names in it (the PNGs it writes into
+    docs/), read without running the script; (0, []) where there is none."""
+    path = root / PICTURES_SCRIPT
+    if not path.exists():
+        return 0, []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "PICTURES" for target in node.targets
+        ):
+            return node.lineno, [str(name) for name in ast.literal_eval(node.value)]
+    return 0, []
+
+
+def shown_images(root: Path, docs: Iterable[Path]) -> dict[Path, list[tuple[str, int, bool]]]:
+    """Each image the docs show: where (doc, line) and whether its section names ``REDRAW``."""
+    shown: dict[Path, list[tuple[str, int, bool]]] = {}
+    for doc in docs:
+        rel = str(doc.resolve().relative_to(root.resolve()))
+        for section in sections(read_lines(_read(doc))):
+            redraw = any(REDRAW in line.text for line in section)
+            for line in section:
+                for target in [] if line.in_code else IMAGE.findall(line.text):
+                    where = (doc.parent / target).resolve()
+                    shown.setdefault(where, []).append((rel, line.number, redraw))
+    return shown
+
+
+def check_pictures(root: Path, docs: Iterable[Path]) -> Iterator[Problem]:
+    """Every picture tools/draw_layouts.py draws is in docs/ and shown by a doc whose section says how to
+    redraw it."""
+    number, names = drawn_pictures(root)
+    shown = shown_images(root, docs)
+    for name in names:
+        path = (root / "docs" / name).resolve()
+        if not path.exists():
+            yield Problem(PICTURES_SCRIPT, number, f"draws docs/{name}, which is not there: run `{REDRAW}`")
+        places = shown.get(path, [])
+        if not places:
+            yield Problem(PICTURES_SCRIPT, number, f"draws docs/{name}, which no doc shows")
+        for rel, line, redraw in places:
+            if not redraw:
+                yield Problem(
+                    rel, line, f"shows docs/{name}: say in its section how to redraw it (`{REDRAW}`)"
+                )
+
+
 def check_changelog(rel: str, text: str) -> Iterator[Problem]:
     unreleased = 0
     first = True
@@ -819,6 +872,7 @@ def check(
         for path in sorted(root.glob(CHANGELOG_GLOB)):
             problems += check_changelog(str(path.relative_to(root)), path.read_text())
         problems += check_sources(root)
+        problems += check_pictures(root, doc_paths(root))
     return problems
 
 

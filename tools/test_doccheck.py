@@ -80,6 +80,12 @@ PLANTS = [
         "--cost is not a flag of gradsync.buffers.plan",
     ),
     ("README.md", "(docs/planner.md)", "(docs/planer.md)", "no such file"),
+    (
+        "docs/fault-tolerance.md",
+        "](fault-tolerance-layout.png)",
+        "](fault-tolerance-layouts.png)",
+        "link to fault-tolerance-layouts.png: no such file",
+    ),
     ("CONTRIBUTING.md", "(README.md#what-is-verified-and-where)", "(README.md#status)", "no such heading"),
     (
         "docs/performance.md",
@@ -184,6 +190,31 @@ def test_figures_from_a_tree_with_uncommitted_changes_fail(ctx: Any) -> None:
         ctx.bench_results = committed
     assert any("measured on a tree with uncommitted changes" in m for m in found), found
     assert not messages(ctx, "benchmarks/RESULTS.md", text)
+
+
+def test_every_drawn_picture_is_shown_with_how_to_redraw_it(tmp_path: Path) -> None:
+    """A picture tools/draw_layouts.py draws must be in docs/ and shown by a doc, in a section that names
+    ``nox -s pictures``."""
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "tools" / "draw_layouts.py").write_text('"""Draws."""\n\nPICTURES = ("mesh.png",)\n')
+    doc = tmp_path / "docs" / "mesh.md"
+    doc.write_text("# Mesh\n\nNo picture yet.\n")
+
+    def found() -> list[str]:
+        return [str(problem) for problem in doccheck.check_pictures(tmp_path, [doc])]
+
+    assert found() == [
+        "tools/draw_layouts.py:3: draws docs/mesh.png, which is not there: run `nox -s pictures`",
+        "tools/draw_layouts.py:3: draws docs/mesh.png, which no doc shows",
+    ]
+    (tmp_path / "docs" / "mesh.png").write_bytes(b"")
+    doc.write_text("# Mesh\n\n![the mesh](mesh.png)\n\n## Next\n\nDrawn by `nox -s pictures`.\n")
+    assert found() == [
+        "docs/mesh.md:3: shows docs/mesh.png: say in its section how to redraw it (`nox -s pictures`)"
+    ]
+    doc.write_text("# Mesh\n\n![the mesh](mesh.png)\n\nDrawn by `nox -s pictures`.\n")
+    assert not found()
 
 
 def test_changelog_sections() -> None:
