@@ -4,10 +4,14 @@ replica group); run as a script by test_fault_tolerance.py through
 
 Each round it takes ``INNER_STEPS`` plain SGD steps on its own batches, then syncs. It records, per
 round, that it trained (``reduced``) and the sync's outcome with the number of replicas whose moves the
-sync averaged; at the end it writes its synced weights, outer momentum and model.
+sync averaged; at the end it writes its synced weights, outer momentum and model. With ``--fragments F``
+(Streaming DiLoCo) each fragment syncs every ``F * INNER_STEPS`` steps, so a round's sync is one
+fragment's, in turn.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +39,10 @@ def batch(replica: int, round_: int, inner: int) -> tuple[torch.Tensor, torch.Te
 
 
 def main() -> None:
-    script = ReplicaScript()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fragments", type=int, default=1)
+    script = ReplicaScript(parser)
+    fragments = script.args.fragments
     module = build_model(script.replica)  # apart: the manager's step-0 sync must make the replicas one
     config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=100)
     pgs = initialize_model_parallel()
@@ -48,10 +55,11 @@ def main() -> None:
     diloco = DiLoCo(
         model.parameters(),
         inner,
-        INNER_STEPS,
+        INNER_STEPS * fragments,
         manager=manager,
         outer_lr=OUTER_LR,
         outer_momentum=OUTER_MOMENTUM,
+        fragments=fragments,
     )  # the first sync: torchft's step-0 sync, or a restarted replica's heal
     start = script.out / f"start_{script.replica}.pt"
     if not start.exists():  # the first life's
@@ -81,6 +89,8 @@ def main() -> None:
         "momentum": [diloco.outer_optimizer.state[s]["momentum_buffer"] for s in diloco.synced],
         "model": model.module.state_dict(),
         "step": manager.current_step(),
+        "peak_sync_bytes": diloco.peak_sync_bytes,
+        "last_synced": [f.offset for f in diloco.fragments].index(diloco.local_steps % diloco.sync_every),
     }
     torch.save(final, script.out / f"final_{script.replica}.pt")
     manager.shutdown(wait=False)

@@ -2,10 +2,13 @@
 one process (inner Adam steps, the averaged pseudo-gradient, Nesterov outer steps written out by hand);
 replicas agree right after a sync and drift apart between syncs; a low-precision wire stays near the
 fp32 one; and replicas that are themselves DistributedDataParallel groups (plain or with the distributed
-optimizer) synchronise over the outer group as one process per replica would."""
+optimizer) synchronise over the outer group as one process per replica would. Streaming DiLoCo (the model
+synced in fragments on a staggered schedule, each sync landing some inner steps late and mixed into the
+local weights) equals its own hand-written replay, and each sync sends only its fragment."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -49,6 +52,116 @@ def simulated(replicas: int, batch_of: Any) -> list[torch.Tensor]:
                 for param, value in zip(model.parameters(), synced, strict=True):
                     param.copy_(value)
     return [flat_params(m) for m in models]
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """A Streaming DiLoCo run: ``fragments`` an int, or params' indices (in ``parameters()`` order)."""
+
+    fragments: int | tuple[tuple[int, ...], ...]
+    delay: int
+    alpha: float
+
+
+STREAM_EVERY, STREAM_STEPS = 4, 11
+STREAMING = [
+    Streaming(3, delay=0, alpha=0.0),
+    Streaming(((0, 2, 4, 6, 8, 10, 12, 14), (1, 3, 5, 7, 9, 11, 13, 15)), delay=2, alpha=0.5),  # strided
+    Streaming(4, delay=1, alpha=0.0),
+]
+
+
+def replayed_streaming(replicas: int, run: Streaming, pieces: list[list[int]]) -> list[torch.Tensor]:
+    """Every replica's weights after STREAM_STEPS, in one process, written from the schedule: fragment f
+    of F starts its sync after inner step t when t % H == f * H // F; its mean move lands ``delay`` inner
+    steps later (a landing before a start in the same step), stepping only that fragment's synced weights
+    by torch's Nesterov SGD and its momentum; each replica then keeps ``alpha`` of its own weights."""
+    models = [TinyGPT() for _ in range(replicas)]
+    inner = [make_optimizer("adam", m.parameters()) for m in models]
+    synced = [p.detach().clone() for p in models[0].parameters()]
+    momentum: dict[int, torch.Tensor] = {}
+    pending: list[tuple[int, list[int], dict[int, torch.Tensor]]] = []  # (lands after, params, mean moves)
+
+    def land(piece: list[int], moves: dict[int, torch.Tensor]) -> None:
+        for i in piece:
+            momentum[i] = moves[i] if i not in momentum else OUTER_MOMENTUM * momentum[i] + moves[i]
+            synced[i] = synced[i] - OUTER_LR * (moves[i] + OUTER_MOMENTUM * momentum[i])
+            with torch.no_grad():
+                for model in models:
+                    param = list(model.parameters())[i]
+                    param.copy_(run.alpha * param + (1 - run.alpha) * synced[i])
+
+    for step in range(1, STREAM_STEPS + 1):
+        for replica, (model, optimizer) in enumerate(zip(models, inner, strict=True)):
+            optimizer.zero_grad()
+            model(local_microbatches(step - 1, replica, replicas, 1)[0]).backward()
+            optimizer.step()
+        if pending and pending[0][0] <= step:
+            land(*pending.pop()[1:])
+        for f, piece in enumerate(pieces):
+            if step % STREAM_EVERY == f * STREAM_EVERY // len(pieces):
+                weights = [list(m.parameters()) for m in models]
+                moves = {i: sum(synced[i] - w[i].detach() for w in weights) / replicas for i in piece}
+                pending.append((step + run.delay, piece, moves))
+                if run.delay == 0:
+                    land(*pending.pop()[1:])
+    return [flat_params(m) for m in models]
+
+
+def train_streaming() -> list[tuple[torch.Tensor, list[list[int]], int, list[int]]]:
+    """Each rank one replica on its own batches, every STREAMING run in turn: its weights at the end, the
+    fragments (params' indices), the most bytes one sync sent, and at which steps a sync was in flight."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for run in STREAMING:
+        model = TinyGPT()
+        params = list(model.parameters())
+        fragments = (
+            run.fragments
+            if isinstance(run.fragments, int)
+            else [[params[i] for i in piece] for piece in run.fragments]
+        )
+        diloco = DiLoCo(
+            params, make_optimizer("adam", params), STREAM_EVERY, outer_lr=OUTER_LR,
+            outer_momentum=OUTER_MOMENTUM, fragments=fragments, fragment_sync_delay=run.delay,
+            fragment_update_alpha=run.alpha,
+        )  # fmt: skip
+        index = {id(p): i for i, p in enumerate(params)}
+        pieces = [[index[id(p)] for p in fragment.params] for fragment in diloco.fragments]
+        in_flight = []
+        for step in range(STREAM_STEPS):
+            diloco.zero_grad()
+            model(local_microbatches(step, rank, world, 1)[0]).backward()
+            diloco.step()
+            if diloco.in_flight is not None:
+                in_flight.append(step + 1)
+        results.append((flat_params(model), pieces, diloco.peak_sync_bytes, in_flight))
+    return results
+
+
+def test_streaming_diloco_equals_its_replay_and_sends_a_fragment_per_sync() -> None:
+    sizes = [p.numel() for p in TinyGPT().parameters()]
+    ranks = run_distributed(train_streaming, 2)
+    for r, run in enumerate(STREAMING):
+        _, pieces, _, in_flight = ranks[0][r]
+        count = len(pieces)
+        if isinstance(run.fragments, int):  # runs of params, in order, each about 1/F of the whole
+            assert [i for piece in pieces for i in piece] == list(range(len(sizes))), pieces
+            assert count == run.fragments
+            assert max(sum(sizes[i] for i in piece) for piece in pieces) <= sum(sizes) / count + max(sizes)
+        else:
+            assert pieces == [list(piece) for piece in run.fragments]
+        want = replayed_streaming(2, run, pieces)
+        offsets = [f * STREAM_EVERY // count for f in range(count)]
+        starts = [t for t in range(1, STREAM_STEPS + 1) if t % STREAM_EVERY in offsets]
+        assert in_flight == sorted(
+            {s for t in starts for s in range(t, min(t + run.delay, STREAM_STEPS + 1))}
+        )
+        for rank, results in enumerate(ranks):
+            got, _, peak, _ = results[r]
+            assert relative(got, want[rank]) <= 1e-6, (run, rank)
+            assert peak == 4 * max(sum(sizes[i] for i in piece) for piece in pieces), (run, peak)
+        assert not torch.equal(ranks[0][r][0], ranks[1][r][0])  # a fragment is always between syncs
 
 
 def train_plain(wire_dtype: torch.dtype | None, seed_by_rank: bool = False) -> tuple[list[torch.Tensor], int]:
@@ -145,6 +258,21 @@ def test_bad_arguments_are_refused_by_name() -> None:
         DiLoCo(model.parameters(), optimizer, 2, wire_dtype=torch.float32)
     with pytest.raises(ValueError, match="wire_block_size must be a positive number of elements, got 0"):
         DiLoCo(model.parameters(), optimizer, 2, wire_dtype=torch.float8_e4m3fn, wire_block_size=0)
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match="3 fragments need sync_every of at least 3 steps"):
+        DiLoCo(params, optimizer, 2, fragments=3)
+    with pytest.raises(
+        ValueError, match=r"fragment_sync_delay must be between 0 and sync_every // fragments = 2"
+    ):
+        DiLoCo(params, optimizer, 4, fragments=2, fragment_sync_delay=3)
+    with pytest.raises(ValueError, match=r"fragment_update_alpha must be in \[0, 1\), got 1.0"):
+        DiLoCo(params, optimizer, 4, fragment_update_alpha=1.0)
+    with pytest.raises(
+        ValueError, match=r"hold every trainable param of params exactly once \(15 listed for 16"
+    ):
+        DiLoCo(params, optimizer, 4, fragments=[params[:8], params[9:]])
+    with pytest.raises(ValueError, match="fragments must be between 1 and the 16 params, got 17"):
+        DiLoCo(params, optimizer, 20, fragments=17)
 
 
 def main_params_after_a_sync() -> list[bool]:

@@ -239,12 +239,15 @@ def replay_diloco(start: list[torch.Tensor], rounds: dict[int, list[int]], last:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("fragments", [1, 2], ids=["diloco", "streaming"])
 def test_diloco_under_torchft_steps_by_the_mean_move_of_the_replicas_that_trained_each_round(
-    job_dir: Path,
+    job_dir: Path, fragments: int
 ) -> None:
     """Replica 1 dies mid-round 2, replica 2 just after round 4's sync; each restarts and heals at the next
-    sync (adding no move). Every replica ends bit-identical, and equal to a hand-computed replay."""
-    with ReplicaJob(job_dir, DILOCO_SCRIPT, replicas=3, ranks=1, steps=7) as job:
+    sync (adding no move). Every replica ends bit-identical, and DiLoCo equal to a hand-computed replay.
+    Streaming DiLoCo (2 fragments, one synced per round in turn) heals the same way, and each sync sends
+    one fragment (the plain-group tests replay its schedule by hand)."""
+    with ReplicaJob(job_dir, DILOCO_SCRIPT, replicas=3, ranks=1, steps=7, fragments=fragments) as job:
         job.launch(0)
         job.launch(1, "backward:2")
         job.launch(2, "between:4")
@@ -257,14 +260,24 @@ def test_diloco_under_torchft_steps_by_the_mean_move_of_the_replicas_that_traine
         for key in ("synced", "momentum"):
             for mine, theirs in zip(final[key], finals[0][key], strict=True):
                 assert torch.equal(mine, theirs), key
-        for name, tensor in finals[0]["model"].items():
-            assert torch.equal(final["model"][name], tensor), name
+        for name, tensor in finals[0]["model"].items():  # streaming: the fragment not synced last differs
+            synced_last = fragments == 1 or (name == "0.weight") == (final["last_synced"] == 0)
+            assert torch.equal(final["model"][name], tensor) == synced_last, name
     rounds = trained_rounds(job)
     assert sorted(rounds[2]) == [0, 2], rounds[2]  # replica 1 died in round 2: only the others' moves
     assert 2 not in rounds[5], rounds[5]  # replica 2 died after round 4's sync
     assert all(rounds[r] for r in range(1, finals[0]["step"])), rounds  # every round but the first trained
     start = torch.load(job_dir / "start_0.pt")  # after the first sync (torchft's step-0 sync)
     assert start["step"] == 1
+    if fragments == 2:  # the fragments: the first layer's weight (128), the rest (84); each with a count
+        # the first sync sends both (replica 0 lived through the job); a restarted replica heals in the
+        # quorum of the others' sync, and joins it: one fragment, as every sync after the first
+        assert [final["peak_sync_bytes"] for final in finals] == [
+            4 * (128 + 84 + 1),
+            4 * (128 + 1),
+            4 * (128 + 1),
+        ]
+        return
     synced, momentum = replay_diloco(start["synced"], rounds, finals[0]["step"])
     for key, replayed in (("synced", synced), ("momentum", momentum)):
         for mine, expected in zip(finals[0][key], replayed, strict=True):
