@@ -38,6 +38,9 @@ FAULT_TESTS = {  # tests directory -> the files that need torchft
     ROOT / "packages" / "gradsync-fsdp" / "tests": ("test_fault_tolerance.py",),
     ROOT / "integration": ("test_train_ft.py", "test_ft_examples.py"),
 }
+# Tests only CI runs (the `integration-ci` session), kept out of the quick set's 15 minutes: the main job's
+# optional report parts, each of which trains the job two or three times.
+CI_ONLY_TESTS = {ROOT / "integration": ("test_torchrun_reports.py",)}
 SLOWEST = "--durations=10"  # every test session names its slowest tests, so a slow CI run shows where it went
 # The ranks of a multi-rank test sit idle in rendezvous and start-up much of the time, so two test files run
 # at once (one pytest worker each; a file stays on one worker, which keeps its rank pools and cached
@@ -109,7 +112,11 @@ def run_tests(
     JUnit reports' name (``<report>.xml`` and ``<report>.serial.xml``, for the mutation check). Arguments
     after ``--`` go to both runs; a run they leave with nothing to collect passes (exit status 5)."""
     serial = sorted({str(path) for pattern in SERIAL for path in tests.glob(pattern)})
-    runs = (("", PARALLEL, [str(tests), *(f"--ignore={path}" for path in serial)]), (".serial", (), serial))
+    ci_only = [f"--ignore={tests / name}" for name in CI_ONLY_TESTS.get(tests, ())]
+    runs = (
+        ("", PARALLEL, [str(tests), *(f"--ignore={path}" for path in serial), *ci_only]),
+        (".serial", (), serial),
+    )
     for label, selection, targets in runs:
         if not targets:
             continue
@@ -360,6 +367,14 @@ def integration(session: nox.Session) -> None:
     install_local(session, *PACKAGES, extra=(*TEST_TOOLS, "transformers", "triton"))
     megatron = {"PYTHONPATH": megatron_core(session), "GRADSYNC_REQUIRE_MEGATRON_CORE": "1"}
     run_tests(session, ROOT / "integration", None, env=megatron)
+
+
+@nox.session(name="integration-ci", tags=[CI])
+def integration_ci(session: nox.Session) -> None:
+    """The integration tests only CI runs (CI_ONLY_TESTS): the main job's report beside other runs of it."""
+    install_local(session, *PACKAGES, extra=(*TEST_TOOLS, "matplotlib"))
+    for tests, files in CI_ONLY_TESTS.items():
+        session.run("pytest", SLOWEST, *(str(tests / f) for f in files), *session.posargs)
 
 
 def megatron_core(session: nox.Session) -> str:

@@ -13,6 +13,7 @@ Then one torchft job kills a group between steps (SIGKILL), restarts it, and rep
 restart to its first committed step, and the heal itself (its first quorum, which fetches the state).
 
     python benchmarks/bench_fault_tolerance.py [--hidden 512] [--steps 30] [--rounds 3]
+    python benchmarks/bench_fault_tolerance.py --hidden 7072 --steps 8 --rounds 0   # the heal, 100M params
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def torchft_worker(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     register_fault_tolerant_hook(ddp, manager)
     optimizer = wrapper(manager, inner)
-    times, quorums, committed_at = [], [], None
+    times, quorums, committed_at, discarded = [], [], None, 0
     while manager.current_step() < args.steps:
         step = manager.current_step()
         began = time.perf_counter()
@@ -142,11 +143,30 @@ def torchft_worker(args: argparse.Namespace) -> dict[str, Any]:
         times.append(time.perf_counter() - began)
         if committed_at is None and manager.current_step() > step:
             committed_at = time.time()
+        discarded += manager.current_step() == step  # an attempt the quorum did not commit
         if args.stop_at == manager.current_step():
             Path(args.report + ".stopped").touch()
             time.sleep(600)  # killed here by the driver
     manager.shutdown(wait=False)
-    return {"times": times, "first_quorum": quorums[0], "first_commit": committed_at}
+    state = sum(t.numel() * t.element_size() for t in tensors_in(state_dict()))
+    return {
+        "times": times,
+        "first_quorum": quorums[0],
+        "first_commit": committed_at,
+        "discarded": discarded,
+        "state_bytes": state,
+    }
+
+
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a nested state dict: what a heal sends."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for value in tree.values() for t in tensors_in(value)]
+    if isinstance(tree, list | tuple):
+        return [t for value in tree for t in tensors_in(value)]
+    return []
 
 
 def run(command: list[str]) -> subprocess.Popen[bytes]:
@@ -209,7 +229,9 @@ def main() -> None:
     )
     parser.add_argument("--hidden", type=int, default=512, help="the MLP's width")
     parser.add_argument("--steps", type=int, default=30, help="steps per job")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three jobs, interleaved")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of the three jobs, interleaved (0: the heal alone)"
+    )
     parser.add_argument("--worker", choices=("floor", "plain", "torchft"), help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -225,11 +247,12 @@ def main() -> None:
     params = sum(p.numel() for p in build(args.hidden).parameters())
     print(f"torch {torch.__version__}, MLP of {params:,} params (fp32), 2 ranks or replica groups, "
           f"{args.steps} steps per job, median of the steps after {WARMUP}")  # fmt: skip
-    print("| round | floor (ms) | plain DDP / floor | torchft DDP / floor | torchft / plain |")
-    print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         ratios = []
+        if args.rounds:
+            print("| round | floor (ms) | plain DDP / floor | torchft DDP / floor | torchft / plain |")
+            print("|---|---|---|---|---|")
         for round_ in range(args.rounds):
             floor = median_steady(job("floor", args, tmp)[0])
             plain = max(median_steady(r) for r in job("plain", args, tmp))
@@ -242,11 +265,15 @@ def main() -> None:
                 f"{ft / plain:.3f}x",
             )
             print(f"| {round_ + 1} | " + " | ".join(cells) + " |")
-        print(f"torchft over plain DDP, median of the rounds: {statistics.median(ratios):.3f}x")
-        healed = job("torchft", args, tmp, stop_at=args.steps // 2)[1]
+        if ratios:
+            print(f"torchft over plain DDP, median of the rounds: {statistics.median(ratios):.3f}x")
+        survivor, healed = job("torchft", args, tmp, stop_at=args.steps // 2)
         heal, back = healed["first_quorum"], healed["first_commit"] - healed["restarted"]
-        print(f"heal: the restarted group's first quorum (fetching the state) {heal:.2f} s")
+        mb = healed["state_bytes"] / 1e6
+        print(f"heal: the restarted group's first quorum (fetching {mb:.1f} MB of weights and AdamW state) "
+              f"{heal:.2f} s, {mb / heal:.0f} MB/s")  # fmt: skip
         print(f"restart to its first committed step: {back:.2f} s (process start and imports included)")
+        print(f"attempts the surviving group made that no quorum committed: {survivor['discarded']}")
 
 
 if __name__ == "__main__":

@@ -312,7 +312,10 @@ def run(opts: Options, baseline: dict[str, list[StepRecord]] | None = None) -> R
     if opts.collect_params:
         result.full_params = gather_full_params(stage, groups, wrapped.current_params())
     if rank == 0 and opts.out_dir and result.records:
-        result.report = write_outputs(opts, result.records, cfg, corpus, dp_size, device, baseline or {})
+        peak_sync = diloco.peak_sync_bytes if diloco is not None else 0
+        result.report = write_outputs(
+            opts, result.records, cfg, corpus, dp_size, device, baseline or {}, peak_sync
+        )
     destroy_process_groups(groups)
     return result
 
@@ -325,9 +328,11 @@ def write_outputs(
     dp_size: int,
     device: torch.device,
     baseline: dict[str, list[StepRecord]],
+    peak_sync_bytes: int = 0,
 ) -> Path:
     """metrics.json and the report under --out-dir (``baseline``'s runs beside this one); returns the
-    report's path."""
+    report's path. ``peak_sync_bytes``: a DiLoCo run's largest sync."""
+    peak_sync_mib = peak_sync_bytes / 2**20
     out = Path(opts.out_dir or ".")
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(records_to_json(records), indent=1))
@@ -351,9 +356,9 @@ def write_outputs(
             else ""
         )
         + (
-            f": DiLoCo, each rank a replica on its own batch, the replicas' moves averaged every "
-            f"{DILOCO[opts.grad_comm].sync_every} steps (outer Nesterov SGD, lr 0.7, momentum 0.9); "
-            "losses are the replicas' mean"
+            f": {DILOCO[opts.grad_comm].describe()}, each rank a replica on its own batch (outer Nesterov "
+            f"SGD, lr 0.7, momentum 0.9); losses are the replicas' mean; the most one sync sent: "
+            f"{peak_sync_mib:.2f} MiB"
             if opts.grad_comm in DILOCO
             else ""
         ),
