@@ -119,7 +119,7 @@ PLANTS = [
         "integration/README.md",
         "through the main job's `torchrun` command)\n",
         "through the same torchrun command the\nsession runs)\n",
-        "README.md:65: says 'the session'",
+        "README.md:67: says 'the session'",
     ),
     (
         "docs/hsdp.md",
