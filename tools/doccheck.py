@@ -124,6 +124,7 @@ CLIS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"plan_scaling\.py", ("benchmarks/plan_scaling.py",)),
     (r"plot_trace\.py", ("benchmarks/plot_trace.py",)),
     (r"bench_ragged_dispatch\.py", ("benchmarks/bench_ragged_dispatch.py",)),
+    (r"bench_fault_tolerance\.py", ("benchmarks/bench_fault_tolerance.py",)),
     (r"bench_ddp\.py|nox -s bench-(?:ddp|overhead)\b", ("packages/gradsync-ddp/benchmarks/bench_ddp.py",)),
     (
         r"bench_collectives\.py|nox -s bench-buffers\b",
