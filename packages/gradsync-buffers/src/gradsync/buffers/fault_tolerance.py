@@ -57,12 +57,15 @@ def find_lighthouse(address: str | None = None, timeout: float = 5.0) -> str:
     ``KeyError('TORCHFT_LIGHTHOUSE')``, and with a dead one it retries for ``connect_timeout`` (a minute
     by default) before it says so."""
     address = address or os.environ.get("TORCHFT_LIGHTHOUSE")
-    start = "start one with `torchft_lighthouse --min_replicas 1 --bind 0.0.0.0:29510`"
+    start = (
+        "start one with `torchft_lighthouse --min_replicas M --bind 0.0.0.0:29510` (M a majority of the "
+        "replica groups, e.g. 2 of 3, so two groups cannot train apart; 1 for a single group)"
+    )
     if not address:
         raise ValueError(
             f"no torchft lighthouse given: {start}, then pass its address "
-            "(http://HOST:29510) or set TORCHFT_LIGHTHOUSE to it (--min_replicas for several replica groups: "
-            "see docs/troubleshooting.md#quorum-and-lighthouse-settings)"
+            "(http://HOST:29510) or set TORCHFT_LIGHTHOUSE to it (see "
+            "docs/troubleshooting.md#quorum-and-lighthouse-settings)"
         )
     parts = urlsplit(address if "://" in address else f"http://{address}")
     if parts.hostname is None or parts.port is None:
@@ -77,8 +80,7 @@ def find_lighthouse(address: str | None = None, timeout: float = 5.0) -> str:
                 raise ConnectionError(
                     f"no torchft lighthouse answers at {address} within {timeout:g} s ({error}): {start} "
                     "on that host and port before the replica groups, or fix the address "
-                    "(TORCHFT_LIGHTHOUSE; --min_replicas for several replica groups: see "
-                    "docs/troubleshooting.md#quorum-and-lighthouse-settings)"
+                    "(TORCHFT_LIGHTHOUSE; see docs/troubleshooting.md#quorum-and-lighthouse-settings)"
                 ) from error
             time.sleep(0.1)
 
