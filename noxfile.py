@@ -38,9 +38,13 @@ FAULT_TESTS = {  # tests directory -> the files that need torchft
     ROOT / "packages" / "gradsync-fsdp" / "tests": ("test_fault_tolerance.py",),
     ROOT / "integration": ("test_train_ft.py", "test_ft_examples.py"),
 }
-# Tests only CI runs (the `integration-ci` session), kept out of the quick set's 15 minutes: the main job's
-# optional report parts, each of which trains the job two or three times.
-CI_ONLY_TESTS = {ROOT / "integration": ("test_torchrun_reports.py",)}
+# Tests only CI runs (the `tests-ci` session), kept out of the quick set's 15 minutes: the main job's optional
+# report parts (each trains the job two or three times), gradsync-fsdp's hang-watchdog tests (they time real
+# waits, so they run alone) and its stress test of every mesh and strategy in one world.
+CI_ONLY_TESTS = {
+    ROOT / "integration": ("test_torchrun_reports.py",),
+    ROOT / "packages" / "gradsync-fsdp" / "tests": ("test_watchdog.py", "test_meshes_in_a_row.py"),
+}
 SLOWEST = "--durations=10"  # every test session names its slowest tests, so a slow CI run shows where it went
 # The ranks of a multi-rank test sit idle in rendezvous and start-up much of the time, so two test files run
 # at once (one pytest worker each; a file stays on one worker, which keeps its rank pools and cached
@@ -111,12 +115,10 @@ def run_tests(
     """pytest over ``tests``: the files outside ``SERIAL`` two at a time, then those alone. ``report``: the
     JUnit reports' name (``<report>.xml`` and ``<report>.serial.xml``, for the mutation check). Arguments
     after ``--`` go to both runs; a run they leave with nothing to collect passes (exit status 5)."""
-    serial = sorted({str(path) for pattern in SERIAL for path in tests.glob(pattern)})
-    ci_only = [f"--ignore={tests / name}" for name in CI_ONLY_TESTS.get(tests, ())]
-    runs = (
-        ("", PARALLEL, [str(tests), *(f"--ignore={path}" for path in serial), *ci_only]),
-        (".serial", (), serial),
-    )
+    ci_only = {str(tests / name) for name in CI_ONLY_TESTS.get(tests, ())}
+    serial = sorted({str(path) for pattern in SERIAL for path in tests.glob(pattern)} - ci_only)
+    ignored = [f"--ignore={path}" for path in sorted({*serial, *ci_only})]
+    runs = (("", PARALLEL, [str(tests), *ignored]), (".serial", (), serial))
     for label, selection, targets in runs:
         if not targets:
             continue
@@ -369,12 +371,18 @@ def integration(session: nox.Session) -> None:
     run_tests(session, ROOT / "integration", None, env=megatron)
 
 
-@nox.session(name="integration-ci", tags=[CI])
-def integration_ci(session: nox.Session) -> None:
-    """The integration tests only CI runs (CI_ONLY_TESTS): the main job's report beside other runs of it."""
+@nox.session(name="tests-ci", tags=[CI])
+def tests_ci(session: nox.Session) -> None:
+    """The tests only CI runs (CI_ONLY_TESTS), one at a time; a package's results go to this run's mutation
+    check as the test sessions' do."""
     install_local(session, *PACKAGES, extra=(*TEST_TOOLS, "matplotlib"))
     for tests, files in CI_ONLY_TESTS.items():
-        session.run("pytest", SLOWEST, *(str(tests / f) for f in files), *session.posargs)
+        package = tests.parent.name.removeprefix("gradsync-")
+        junit = ("-o", "junit_family=xunit1", f"--junitxml={REPORTS / f'tests-{package}.ci.xml'}")
+        session.run(
+            "pytest", SLOWEST, *(junit if tests.name == "tests" else ()), *(str(tests / f) for f in files),
+            *session.posargs,
+        )  # fmt: skip
 
 
 def megatron_core(session: nox.Session) -> str:

@@ -1,6 +1,6 @@
 """The main job's report, beyond its core (test_torchrun.py): the trace, and the runs it puts side by side
 (Muon against AdamW, each grad wire against fp32, torch's PowerSGD hook, DiLoCo). Only CI runs these
-(`nox -s integration-ci`): each trains the job two or three times."""
+(`nox -s tests-ci`): each trains the job two or three times."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ from gradsync.buffers.comm_hook import CommHook
 from gradsync.buffers.optimizer_watch import guard_steps, watch_optimizers
 from gradsync.buffers.shard_alignment import ShardAlignmentSpec, ShardBalance
 from gradsync.buffers.step_ballot import StepBallot
+from gradsync.buffers.step_cycle import StepCycle
 from gradsync.buffers.wrapper_claims import claim
 from gradsync.groups import ModelParallelConfigProtocol, ProcessGroupCollection
 
@@ -54,7 +55,6 @@ from .base import _BaseDataParallel
 from .comm_hook_registration import install_comm_hook
 from .grad_buffer_offload import offload_grad_buffers, restore_grad_buffers
 from .process_groups import resolve_process_groups
-from .step_tracker import StepTracker
 from .wrapped_params import (
     agree_across_ranks,
     apply_shard_alignment,
@@ -262,10 +262,7 @@ class DistributedDataParallel(_BaseDataParallel):
         expert_dp = [self.pg_collection.expt_dp] if self.expert_parallel_bucket_groups else []
         voters = [self.pg_collection.dp_cp, *expert_dp]
         ballot = StepBallot(voters, type(self).__name__, ddp_config.check_abandoned_steps)  # type: ignore[arg-type]
-        frozen_at_wrap = [(n, p) for n, p in named if not p.requires_grad]
-        self._step = StepTracker(
-            ballot, self.grad_buffers, ddp_config, frozen_at_wrap, self._finish_forward_gathers
-        )
+        self._step = StepCycle(ballot, [(n, p) for n, p in named if not p.requires_grad])
         claim((p for _, p in named), self)
         watch_optimizers()
         ballot.prepare()  # every check passed on every rank: no step has to build the vote groups
@@ -339,7 +336,7 @@ class DistributedDataParallel(_BaseDataParallel):
         """The module's forward; a training one (grad enabled) is noted, so that a rank whose step ends
         before its backward (the loss raised) abandons it at the next ``zero_grad_buffer()``."""
         if self.training and torch.is_grad_enabled():
-            self._step.forward_unsynced = True
+            self._step.forward_ran()
         return self.module(*inputs, **kwargs)
 
     def start_grad_sync(self, *unused: Any) -> None:
@@ -351,7 +348,7 @@ class DistributedDataParallel(_BaseDataParallel):
         grad, so any torch.optim optimizer can step: a view of ``main_grad`` when dtypes match, else a copy
         in the param dtype that :meth:`scale_gradients` (and finalize_model_grads' reductions) keep equal
         to ``main_grad``."""
-        with self._step.syncing_grads():
+        with self._step.syncing(self._grads, self._abandon):
             self.grad_buffers.finish_grad_sync(force_all_reduce)
         if self.ddp_config.use_distributed_optimizer and not force_all_reduce:
             return  # only this rank's shard is reduced; the DistributedOptimizer reads main_grad
@@ -373,21 +370,40 @@ class DistributedDataParallel(_BaseDataParallel):
         the zeroing can never race with a collective writing into the buffers. A backward that raised
         part-way abandons the step here (see the class docstring).
         """
-        with self._step.zeroing_grads():
-            for param in self.params_with_grad:
-                param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
-                param.grad = None
-            self.grad_buffers.reset()
+        self._step.before_zeroing(self._abandon)
+        for param in self.params_with_grad:
+            param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+            param.grad = None
+        self.grad_buffers.reset()
+        self._step.zeroed()
 
     def refuse_unsynced_step(self) -> None:
         """Raise before an optimizer step that would apply wrong grads (run by a step pre-hook of every
         optimizer holding these params, and by the DistributedOptimizer before it reads the grads)."""
-        self._step.refuse_unsynced_step()
+        self._step.refuse_unsynced_step(self._abandon)
 
     def attach_to_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer holding these params is about to step for the first time
         (:mod:`gradsync.buffers.optimizer_watch`): each of its steps asks :meth:`refuse_unsynced_step`."""
         guard_steps(optimizer, self)
+
+    def _abandon(self, reason: str) -> NoReturn:
+        """Complete this step's collectives for the other ranks, then raise on every rank."""
+        self._step.abandon(self._complete_collectives, reason)
+
+    def _complete_collectives(self) -> None:
+        """What the other ranks' forward, backward and finish_grad_sync still communicate: the forward's
+        param gathers, then every bucket group's reduction. Those the abandoned backward did not launch
+        are launched now, in the order the others launch them (:meth:`GradBuffers.launch_order`)."""
+        self._finish_forward_gathers()
+        if self.ddp_config.overlap_grad_reduce:
+            for group in self.grad_buffers.launch_order():
+                if not group.grad_reduce_dispatched:
+                    group.start_grad_sync()
+        self.grad_buffers.finish_grad_sync()
+
+    def _grads(self) -> Iterator[torch.Tensor]:
+        return (buffer.grad_data for buffer in self.grad_buffers.all_buffers)
 
     def _finish_forward_gathers(self) -> None:
         """The param gathers the other ranks' forward still issues when this rank abandons its step: with

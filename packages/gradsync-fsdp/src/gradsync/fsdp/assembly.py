@@ -15,6 +15,7 @@ from gradsync.buffers import DistributedDataParallelConfig, gradient_scaling_fac
 from gradsync.buffers.grad_checks import LocalGradNorms
 from gradsync.buffers.optimizer_watch import watch_optimizers
 from gradsync.buffers.step_ballot import StepBallot
+from gradsync.buffers.step_cycle import StepCycle
 from gradsync.buffers.wrapper_claims import claim
 from gradsync.groups import FSDPDistributedIndex
 
@@ -22,7 +23,7 @@ from .bucket import GradReduction
 from .bucket_set import BucketSet
 from .layout import OuterReplication, optimizer_placements
 from .meta_init import MetaReplacement
-from .schedule import Cycle, GatherSchedule, ReduceSchedule, StepMarks, communication_unit_size, prefetch_size
+from .schedule import GatherSchedule, ReduceSchedule, communication_unit_size, prefetch_size
 from .settings import Sharding
 from .sharded_param import ParamRegistry, ShardedParams, build_optimizer_params
 from .step_control import StepControl, WeightSync
@@ -48,7 +49,7 @@ class WrapperCalls:
 @dataclass(frozen=True)
 class Parts:
     params: ShardedParams
-    steps: StepMarks
+    steps: StepCycle
     weights: WeightSync
     hooks: TrainingHooks
     step: StepControl
@@ -84,7 +85,10 @@ def assemble(
     # the local tensors too: an optimizer that lends them for its steps may first meet the model in one
     claim([*(p for _, p in named), *(t for r in params for t in (r.sharded, r.local))], owner)
     watch_optimizers()
-    steps = StepMarks()
+    all_dp = outer.hybrid_group if outer is not None else dist_index.get_fsdp_group()
+    steps = StepCycle(
+        StepBallot([all_dp], "MegatronFSDP", config.check_abandoned_steps), params.frozen_at_wrap()
+    )
     registry = ParamRegistry(params)
     for meta_param, placeholder in (meta.params if meta is not None else {}).items():
         params.alias(meta_param, placeholder)  # fully_shard's optimizer holds the meta params
@@ -121,15 +125,13 @@ def assemble(
     )
     weights = WeightSync(buckets, sharding, config, gathers, registry, steps)
     hooks = TrainingHooks(
-        module, units, buckets, sharding, (gathers, reductions), registry, Cycle(),
+        module, units, buckets, sharding, (gathers, reductions), registry, steps,
         check_forward=calls.check_forward,
         install_stepped=weights.install_if_stepped,
         backward_ended=calls.backward_ended,
         report_nan_in_param_grad=report_nan_in_param_grad,
     )  # fmt: skip
-    all_dp = outer.hybrid_group if outer is not None else dist_index.get_fsdp_group()
-    ballot = StepBallot([all_dp], "MegatronFSDP", config.check_abandoned_steps)
-    step = StepControl(buckets, hooks, params, all_dp, ballot, grad_norms, calls.sync_grads)
+    step = StepControl(buckets, hooks, params, all_dp, grad_norms, calls.sync_grads)
     hooks.register(params)
     registry.show_optimizer()
     return Parts(params, steps, weights, hooks, step, unit_size)

@@ -38,12 +38,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from gradsync.buffers.optimizer_watch import guard_steps, weak_step_hook
+from gradsync.buffers.step_cycle import StepCycle
 from gradsync.groups import FSDPDistributedIndex
 
 from .bucket import FlatParamBucket
 from .local_step import adopt_for_local_steps, split_state_as_params
 from .ragged import describe_shard, split_of
-from .schedule import StepMarks
 from .settings import Sharding
 from .sharded_param import ParamRegistry, ShardedParam, ShardedParams
 from .step_control import StepControl, WeightSync
@@ -189,7 +189,7 @@ class OptimizerFacing(nn.Module):
     sharding: Sharding
     buckets: list[FlatParamBucket]
     params: ShardedParams
-    steps: StepMarks
+    steps: StepCycle
     _probe: ShardedParam | None
     _hooks: TrainingHooks
     _weights: WeightSync
@@ -308,12 +308,12 @@ class OptimizerFacing(nn.Module):
         backward that raised part-way, a training forward with no backward (both abandon the step
         there), or a step abandoned here or on another rank (the buffers hold its partial grads). Loops
         that call no ``zero_grad_buffer()`` (the FSDP2-style API) ask this at the next forward."""
-        return self._step.step_left_broken
+        return self._step.cycle.step_left_broken
 
     def refuse_unsynced_step(self) -> None:
         """Raise before an optimizer step that would apply wrong grads (run by a step pre-hook of every
         optimizer holding these params)."""
-        self._step.refuse_unsynced_step()
+        self._step.cycle.refuse_unsynced_step(self._step.abandon)
 
     def attach_to_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer holding these params is about to step for the first time
@@ -325,4 +325,4 @@ class OptimizerFacing(nn.Module):
         ``install_optimized_model_weights()`` runs first, and no grad may arrive before
         ``zero_grad_buffer()``. torch optimizers call it by themselves; call it after an update made any
         other way."""
-        self.steps.mark()
+        self.steps.stepped()

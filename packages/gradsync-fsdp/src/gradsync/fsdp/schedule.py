@@ -42,7 +42,6 @@ count. The wrapper decides *what* happens in its hooks; these two decide *when* 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +49,7 @@ from gradsync.buffers import DistributedDataParallelConfig, watchdog
 from gradsync.buffers.collectives import Launched, chain
 from gradsync.buffers.grad_arrivals import GradArrivals
 from gradsync.buffers.grad_checks import LocalGradNorms
+from gradsync.buffers.step_cycle import StepCycle
 
 from .allocators import BucketAllocator
 from .bucket import BucketStatus, FlatParamBucket, GradReduction
@@ -58,42 +58,6 @@ from .hooks import labelled
 from .layout import OuterReplication
 from .settings import Sharding
 from .sharded_param import ShardedParam
-
-
-@dataclass
-class Cycle:
-    """The facts of the current cycle, each with the event that sets and clears it."""
-
-    in_backward: bool = False
-    """The root's pre-backward ran and its post-backward not (yet, or ever: a backward that raised)."""
-    grads_pending: bool = False
-    """A backward ran since the last ``finish_grad_sync()`` / ``zero_grad_buffer()``."""
-    backward_ran: bool = True
-    """A backward ran since ``zero_grad_buffer()`` (True before the first: unknown)."""
-    forward_unsynced: bool = False
-    """A training forward ran since the last sync or ``zero_grad_buffer()``."""
-    forwards_awaiting_backward: int = 0
-    """Training forwards whose backward has not ended: while any, the modules keep the compute params."""
-    grads_finished: bool = False
-    """``finish_grad_sync()`` ran since the last backward: a second call changes nothing."""
-    microbatch_count: int = 0
-    """Backwards since the last ``finish_grad_sync()``."""
-
-
-class StepMarks:
-    """What an optimizer step leaves on a model, recorded in this one place: the updated weights await
-    their install (until ``install_optimized_model_weights()``), and the grad buffers hold the grads the
-    step consumed, so no grad may be added to them (until ``zero_grad_buffer()`` starts a new cycle)."""
-
-    __slots__ = ("grads_consumed", "weights_uninstalled")
-
-    def __init__(self) -> None:
-        self.weights_uninstalled = False
-        self.grads_consumed = False
-
-    def mark(self) -> None:
-        self.weights_uninstalled = self.grads_consumed = True
-
 
 CAP = 1_000_000_000
 
@@ -215,7 +179,7 @@ class ReduceSchedule:
         grad_norms: LocalGradNorms | None,
         cycle_ends: Callable[[], bool],
         queue_capacity: int,
-        steps: StepMarks,
+        steps: StepCycle,
     ) -> None:
         self.buckets = buckets
         self.groups = list(groups)
@@ -423,7 +387,6 @@ class ReduceSchedule:
         self._launched.clear()
         self._relaunch.clear()
         self._next_launch = 0
-        self.steps.grads_consumed = False
 
     def missing_grads(self, in_backward: bool) -> dict[str, str]:
         """Buckets still waiting for grads in this backward, by param name (for the hang watchdog)."""

@@ -275,7 +275,11 @@ class ShardedParams:
 
 
 class ParamRegistry:
-    """Which of each record's two params its module slots hold, and the swap between the two sets."""
+    """Which of each record's two params its module slots hold, and the swap between the two sets: the
+    compute params from a forward to its backward's end, the optimizer's sharded DTensors otherwise (so
+    ``model.parameters()``, an optimizer built from them and ``state_dict()`` see the shards). torch FSDP2
+    swaps its module slots the same way (sharded / unsharded params); it is a dict store per param, twice
+    a step, with no copy."""
 
     def __init__(self, params: ShardedParams) -> None:
         self._params = params

@@ -5,15 +5,17 @@ The compute weights of a MegatronFSDP model kept current: an optimizer step's up
 them, the gathers that bring it to every replica (ZeRO-1/2) or the first weights a forward needs (ZeRO-3),
 gathers asked for by param, and a broadcast that gives every replica the first one's weights.
 
-An install must come before any gather or read of the weights. :class:`StepMarks` records that a step
-updated them, on every rank alike, so every rank installs at the same point and gathers the same weights.
+An install must come before any gather or read of the weights. The step cycle
+(:class:`gradsync.buffers.step_cycle.StepCycle`) records that a step updated them, on every rank alike, so
+every rank installs at the same point and gathers the same weights.
 
 The end of a MegatronFSDP model's cycle: grads finished for the optimizer, a step refused when it would
 apply wrong grads, a step abandoned on one rank completed for the others, and the buffers zeroed.
 
-A rank that abandons a step (a backward that raised, a batch skipped after its forward) must still issue
-every collective the other ranks' forward, backward and ``finish_grad_sync()`` wait in, then every rank
-raises by name (:mod:`gradsync.buffers.step_ballot`): nothing hangs, and no rank steps on partial grads.
+A rank that abandons a step (a backward that raised, a batch skipped after its forward: the rules are the
+step cycle's, shared with gradsync-ddp) must still issue every collective the other ranks' forward,
+backward and ``finish_grad_sync()`` wait in, which this module knows; then every rank raises by name
+(:mod:`gradsync.buffers.step_ballot`): nothing hangs, and no rank steps on partial grads.
 """
 
 from __future__ import annotations
@@ -28,13 +30,12 @@ from torch import nn
 
 from gradsync.buffers import DistributedDataParallelConfig, telemetry
 from gradsync.buffers.grad_checks import LocalGradNorms, non_finite_ranks
-from gradsync.buffers.step_ballot import StepBallot, unfinished_step
-from gradsync.buffers.wrapper_claims import refuse_unfrozen
+from gradsync.buffers.step_cycle import StepCycle
 
 from .bucket import BucketStatus, PrefetchOrder
 from .bucket_set import BucketSet
 from .hooks import labelled
-from .schedule import Cycle, GatherSchedule, ReduceSchedule, StepMarks
+from .schedule import GatherSchedule, ReduceSchedule
 from .settings import Sharding
 from .sharded_param import ParamRegistry, ShardedParams
 from .training_hooks import TrainingHooks
@@ -50,7 +51,7 @@ class WeightSync:
         config: DistributedDataParallelConfig,
         gathers: GatherSchedule,
         registry: ParamRegistry,
-        steps: StepMarks,
+        steps: StepCycle,
     ) -> None:
         self.buckets, self.sharding, self.config = buckets, sharding, config
         self.gathers, self.registry, self.steps = gathers, registry, steps
@@ -140,16 +141,15 @@ class StepControl:
         hooks: TrainingHooks,
         params: ShardedParams,
         all_dp_group: dist.ProcessGroup,
-        ballot: StepBallot,
         grad_norms: LocalGradNorms | None,
         sync_grads: Callable[[], None],
     ) -> None:
         self.buckets, self.hooks, self.params = buckets, hooks, params
-        self.cycle: Cycle = hooks.cycle
+        self.cycle: StepCycle = hooks.cycle
+        self.ballot = self.cycle.ballot
         self.reductions: ReduceSchedule = hooks.reductions
         self.registry: ParamRegistry = hooks.registry
-        self._frozen_at_wrap = params.frozen_at_wrap()
-        self.all_dp_group, self.ballot, self.grad_norms = all_dp_group, ballot, grad_norms
+        self.all_dp_group, self.grad_norms = all_dp_group, grad_norms
         self.sync_grads = sync_grads
         self.across_replicas: Callable[[], None] | None = None
         """A stage after this model's own reductions landed (torchft's replica groups: each rank's reduced
@@ -161,19 +161,14 @@ class StepControl:
         cycle = self.cycle
         if cycle.grads_finished:
             return
-        cycle.forward_unsynced = False
-        counted = self.ballot.vote_to_sync(
-            cycle.in_backward, cycle.backward_ran, self._grad_buffers, self.abandon
-        )
-        self.sync_grads()
-        if self.across_replicas is not None:
-            self.across_replicas()
-        self.refuse_non_finite_grads()
-        counted()
+        with cycle.syncing(self._grad_buffers, self.abandon):
+            self.sync_grads()
+            if self.across_replicas is not None:
+                self.across_replicas()
+            self.refuse_non_finite_grads()
         self.params.attach_grads()
         cycle.microbatch_count = 0
         cycle.grads_finished = True
-        cycle.grads_pending = False
         if not cycle.forwards_awaiting_backward:  # a later backward may still recompute (auto-sync)
             self.registry.show_optimizer()
 
@@ -200,13 +195,8 @@ class StepControl:
     def zero(self) -> None:
         """Zero the grad buffers and drop the optimizer params' grads; a backward that raised part-way
         abandons the step here."""
-        cycle = self.cycle
-        reason = unfinished_step(cycle.in_backward, cycle.forward_unsynced, cycle.backward_ran)
-        if reason is not None:
-            self.abandon(reason)
-        cycle.forward_unsynced = False
+        self.cycle.before_zeroing(self.abandon)
         self.reductions.new_cycle()
-        cycle.forwards_awaiting_backward = 0  # the cycle is over (a training forward alone abandoned it)
         self.registry.show_optimizer()
         buckets = self.buckets.buckets
         for bucket in buckets:
@@ -217,9 +207,7 @@ class StepControl:
         if self.grad_norms is not None:
             self.grad_norms.reset()
         self.params.drop_grads()
-        cycle.grads_finished = False
-        cycle.grads_pending = cycle.backward_ran = self.ballot.abandoned = False
-        self.ballot.others_abandoned = False
+        self.cycle.zeroed()
         for bucket in buckets:
             bucket.stats.reset()
         telemetry.next_step()
@@ -227,38 +215,11 @@ class StepControl:
     def _grad_buffers(self) -> Iterator[torch.Tensor]:
         return (bucket.grad for bucket in self.buckets.buckets if bucket.grad is not None)
 
-    @property
-    def step_left_broken(self) -> bool:
-        abandoned = self.ballot.abandoned or self.ballot.others_abandoned
-        cycle = self.cycle
-        unfinished = unfinished_step(cycle.in_backward, cycle.forward_unsynced, cycle.backward_ran)
-        return abandoned or unfinished is not None
-
-    def refuse_unsynced_step(self) -> None:
-        cycle = self.cycle
-        self.ballot.refuse_abandoned(
-            "an optimizer step",
-            cycle.in_backward,
-            self.abandon,
-            forward_without_backward=cycle.forward_unsynced and not cycle.backward_ran,
-        )
-        if cycle.grads_pending:  # every rank usually runs the same code: each raises, no collective waits
-            raise RuntimeError(
-                "MegatronFSDP: optimizer step after a backward whose grads were not synchronised; call "
-                "model.finish_grad_sync() (finalize_model_grads does) between the last backward and the "
-                "step: the optimizer's params hold no reduced grads of this backward"
-            )
-        refuse_unfrozen(self._frozen_at_wrap, "MegatronFSDP")
-
     def abandon(self, reason: str) -> NoReturn:
         """Complete this step's collectives for the other ranks, then raise on every rank."""
         cycle = self.cycle
         no_forward = not (cycle.in_backward or cycle.backward_ran or cycle.forwards_awaiting_backward)
-        cycle.grads_pending = cycle.forward_unsynced = False
-        try:
-            self.ballot.abandon(functools.partial(self._complete_step_collectives, no_forward), reason)
-        finally:
-            cycle.in_backward = False  # one vote per abandoned step, whatever the completion raised
+        cycle.abandon(functools.partial(self._complete_step_collectives, no_forward), reason)
 
     def _complete_step_collectives(self, no_forward: bool) -> None:
         """What the other ranks' forward, backward and ``finish_grad_sync()`` still communicate: a forward's

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from gradsync.buffers.step_cycle import StepCycle
 from gradsync.groups.torch_internals import queue_backward_end_callback
 
 from .bucket import FlatParamBucket
@@ -35,7 +36,7 @@ from .hooks import (
     set_state,
     weak_method,
 )
-from .schedule import Cycle, GatherSchedule, ReduceSchedule
+from .schedule import GatherSchedule, ReduceSchedule
 from .settings import Sharding
 from .sharded_param import ParamRegistry, ShardedParam, ShardedParams
 
@@ -53,7 +54,7 @@ class TrainingHooks:
         sharding: Sharding,
         schedules: tuple[GatherSchedule, ReduceSchedule],
         registry: ParamRegistry,
-        cycle: Cycle,
+        cycle: StepCycle,
         *,
         check_forward: Callable[[], None],
         install_stepped: Callable[[], None],
@@ -109,7 +110,7 @@ class TrainingHooks:
     def root_pre_forward(self, module: nn.Module, args: Any) -> None:
         self.check_forward()  # every rank fails alike: each raises before any collective
         if module.training and torch.is_grad_enabled():  # noted first: a forward that raises counts too
-            self.cycle.forward_unsynced = True
+            self.cycle.forward_ran()
         self.install_stepped()
         self.registry.show_compute()
         self.gather_for_forward()
@@ -168,9 +169,7 @@ class TrainingHooks:
         cycle = self.cycle
         if cycle.in_backward:
             return
-        cycle.in_backward = True
-        cycle.grads_finished = False
-        cycle.grads_pending = cycle.backward_ran = True
+        cycle.backward_began()
         set_state(self._all_modules, TrainingState.PRE_BACKWARD)
         self.gather_root_buckets()
         queue_backward_end_callback(self.root_post_backward)
@@ -251,9 +250,7 @@ class TrainingHooks:
                 bucket.release()
         set_state(self._all_modules, TrainingState.IDLE)
         cycle = self.cycle
-        cycle.in_backward = False
-        cycle.microbatch_count += 1
-        cycle.forwards_awaiting_backward = max(0, cycle.forwards_awaiting_backward - 1)
+        cycle.backward_ended()
         if not cycle.forwards_awaiting_backward:  # no recomputation can need the compute params now
             self.registry.show_optimizer()
 
