@@ -74,7 +74,7 @@ def walk_the_cycle() -> list[str]:
 
 
 def test_the_cycle_refuses_and_abandons_by_its_rules_on_every_rank() -> None:
-    healthy, failing = run_distributed(walk_the_cycle, 2)
+    healthy, failing = run_distributed(walk_the_cycle, 2, timeout=40)  # a broken rule hangs a vote
     unsynced = (
         "RuntimeError: Wrapper: optimizer step after a backward whose grads were not synchronised; call "
         "model.finish_grad_sync()"
