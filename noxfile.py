@@ -376,12 +376,23 @@ def tests_ci(session: nox.Session) -> None:
     """The tests only CI runs (CI_ONLY_TESTS), one at a time; a package's results go to this run's mutation
     check as the test sessions' do."""
     install_local(session, *PACKAGES, extra=(*TEST_TOOLS, "matplotlib"))
-    for tests, files in CI_ONLY_TESTS.items():
+    run_listed(session, CI_ONLY_TESTS, "ci")
+
+
+def run_listed(
+    session: nox.Session,
+    listed: dict[Path, tuple[str, ...]],
+    label: str,
+    success_codes: tuple[int, ...] = (0,),
+) -> None:
+    """pytest over each directory's ``listed`` files, one directory at a time; a package's results go to
+    this run's reports as ``tests-<package>.<label>.xml`` (the mutation check reads them)."""
+    for tests, files in listed.items():
         package = tests.parent.name.removeprefix("gradsync-")
-        junit = ("-o", "junit_family=xunit1", f"--junitxml={REPORTS / f'tests-{package}.ci.xml'}")
+        junit = ("-o", "junit_family=xunit1", f"--junitxml={REPORTS / f'tests-{package}.{label}.xml'}")
         session.run(
             "pytest", SLOWEST, *(junit if tests.name == "tests" else ()), *(str(tests / f) for f in files),
-            *session.posargs,
+            *session.posargs, success_codes=list(success_codes),
         )  # fmt: skip
 
 
@@ -414,13 +425,7 @@ def faults(session: nox.Session) -> None:
     real restarts."""
     extras = {extra for p in PACKAGES for extra in TEST_EXTRAS.get(p, ())}
     install_local(session, *PACKAGES, extra=(*TEST_TOOLS, *sorted(extras)))
-    for tests, files in FAULT_TESTS.items():
-        package = tests.parent.name.removeprefix("gradsync-")
-        junit = ("-o", "junit_family=xunit1", f"--junitxml={REPORTS / f'tests-{package}.faults.xml'}")
-        session.run(
-            "pytest", SLOWEST, *(junit if tests.name == "tests" else ()), *(str(tests / f) for f in files),
-            *session.posargs, success_codes=[0, 5],
-        )  # fmt: skip
+    run_listed(session, FAULT_TESTS, "faults", success_codes=(0, 5))  # 5: nothing collected after -k
 
 
 @nox.session(tags=[CI])

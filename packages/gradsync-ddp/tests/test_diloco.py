@@ -275,9 +275,10 @@ def test_bad_arguments_are_refused_by_name() -> None:
         DiLoCo(params, optimizer, 20, fragments=17)
 
 
-def main_params_after_a_sync() -> list[bool]:
+def main_params_after_a_sync(fragments: int) -> list[bool]:
     """Each rank a replica of its own (a DDP group of one) with bf16 weights and fp32 main params: whether
-    the distributed optimizer's main params equal the model's weights after each step."""
+    the distributed optimizer's main params equal the model's weights after each step (``fragments``: a
+    Streaming DiLoCo's, each fragment's sync refreshing them)."""
     rank = dist.get_rank()
     own = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
     model = TinyGPT().to(torch.bfloat16)
@@ -286,7 +287,7 @@ def main_params_after_a_sync() -> list[bool]:
         ModelParallelConfig(), config, model, pg_collection=ProcessGroupCollection(dp=own, dp_cp=own)
     )
     optimizer = DistributedOptimizer(make_optimizer("adam", ddp.parameters()), ddp)
-    diloco = DiLoCo(ddp.parameters(), optimizer, SYNC_EVERY)
+    diloco = DiLoCo(ddp.parameters(), optimizer, SYNC_EVERY, fragments=fragments)
     followed = []
     for step in range(STEPS):
         ddp.zero_grad_buffer()
@@ -301,10 +302,12 @@ def main_params_after_a_sync() -> list[bool]:
     return followed
 
 
-def test_the_distributed_optimizers_main_params_take_the_synced_weights() -> None:
+@pytest.mark.parametrize("fragments", [1, 2], ids=["diloco", "streaming"])
+def test_the_distributed_optimizers_main_params_take_the_synced_weights(fragments: int) -> None:
     """bf16 weights: the fp32 main params are a copy, which a sync must refresh (the next inner step
-    starts from them)."""
-    for followed in run_distributed(main_params_after_a_sync, 2):
-        synced_steps = [step for step in range(STEPS) if (step + 1) % SYNC_EVERY == 0]
+    starts from them); with 2 fragments (offsets 0 and 1 of 3 steps) after each fragment's sync."""
+    offsets = {f * SYNC_EVERY // fragments for f in range(fragments)}
+    for followed in run_distributed(main_params_after_a_sync, 2, args=(fragments,)):
+        synced_steps = [step for step in range(STEPS) if (step + 1) % SYNC_EVERY in offsets]
         assert all(followed[step] for step in synced_steps), followed
         assert not all(followed), followed  # between syncs they hold more than bf16 can show

@@ -61,10 +61,6 @@ class Fragment:
     """Inner steps since this fragment's last sync started (or the replica healed): with none, a replica
     under a manager adds no move."""
 
-    @property
-    def numel(self) -> int:
-        return sum(s.numel() for s in self.synced)
-
 
 @dataclass
 class InFlight:
@@ -77,7 +73,6 @@ class InFlight:
     """The inner step (``local_steps``) after which the sync lands."""
     launched: Launched | None = None
     work: Any = None
-    trained: bool = False
 
 
 class DiLoCo:
@@ -245,7 +240,7 @@ class DiLoCo:
         with torch.no_grad():
             moves = torch.cat([(s - p.float()).reshape(-1) for fragment in fragments
                                for s, p in zip(fragment.synced, fragment.params, strict=True)])  # fmt: skip
-            flight = InFlight(fragments, moves, lands_after, trained=trained)
+            flight = InFlight(fragments, moves, lands_after)
             if self.manager is None:
                 assert self.group is not None
                 key = ("diloco", fragments[0].index, len(fragments))
