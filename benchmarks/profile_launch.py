@@ -9,11 +9,16 @@ of four kinds for the system whose step it fell in:
 - wait: waiting for a collective;
 - gradsync bookkeeping: gradsync's own Python (hooks, schedules, lending, ...) and what it calls.
 
-Each system's step is called through a function named after it, so every sample has one owner. Needs
+Each system's step is called through a function named after it, so every sample has one owner.
+``--model gpt`` profiles bench_ab.py's side-by-side GPT instead (d_model 256, 6 layers, 8 sequences of 128
+tokens per rank, 4 MiB buckets), where compute hides most host work. torch DDP's reducer waits in C++,
+which py-spy does not see as a wait: its waits count as model compute + torch. Needs
 py-spy (``pip install py-spy``; it reads the ranks' memory, so it may need ptrace rights). From the
 repository root:
 
     python benchmarks/profile_launch.py --steps 300 --detail gradsync-fsdp-optim gradsync-ddp+distopt
+    python benchmarks/profile_launch.py --model gpt --steps 30 --systems floor torch-ddp \
+        gradsync-fsdp-no_shard gradsync-fsdp-optim gradsync-fsdp-optim_grads_params torch-fsdp2
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ SYSTEMS = [
     "gradsync-fsdp-optim",
     "gradsync-fsdp-optim_grads",
 ]
-RATE = 200  # samples per second
+RATES = {"launch": 200, "gpt": 50}  # samples per second: the GPT's steps are 40 times longer
 KINDS = ("model compute + torch", "optimizer math", "wait", "gradsync bookkeeping")
 GRADSYNC_FRAME = re.compile(r"\((fsdp|ddp|buffers|finalize|groups)/")
 # gradsync frames that only hold the model's or the optimizer's own work
@@ -57,17 +62,21 @@ def caller_name(system: str) -> str:
     return "SYS_" + re.sub(r"\W", "_", system)
 
 
-def worker(systems: list[str], steps: int) -> None:
-    """bench_launch's interleaved loop on the launch-bound model, each step called through its system's
-    own function."""
+def worker(systems: list[str], steps: int, model: str) -> None:
+    """bench_launch's interleaved loop on ``model`` (the launch-bound model, or bench_ab's GPT), each
+    step called through its system's own function."""
     sys.path.insert(0, str(HERE))
     import bench_launch
     import torch
     import torch.distributed as dist
 
     device = bench_launch.join_ranks("cpu")
-    preset = bench_launch.PRESETS["launch"]
-    options = argparse.Namespace(bucket_mb=25, lr=1e-3, batch_per_rank=preset.batch)
+    if model == "gpt":  # bench_ab.py's side-by-side model and buckets
+        cfg = bench_launch.GPTConfig(seq_len=128, d_model=256, n_head=8, n_layer=6)
+        preset, bucket_mb = bench_launch.Preset(cfg, batch=8), 4
+    else:
+        preset, bucket_mb = bench_launch.PRESETS["launch"], 25
+    options = argparse.Namespace(bucket_mb=bucket_mb, lr=1e-3, batch_per_rank=preset.batch)
     callers = {}
     for system in systems:
         step = bench_launch.build(system, preset, device, options)
@@ -103,11 +112,11 @@ def kind_of(frames: list[str]) -> str:
     return "model compute + torch"
 
 
-def summarise(raw: Path, systems: list[str], steps: int, detail: list[str]) -> list[str]:
+def summarise(raw: Path, systems: list[str], steps: int, detail: list[str], rate: int) -> list[str]:
     """Samples per rank and step of each system, by kind; the top bookkeeping frames of ``detail``."""
     owners = {caller_name(s): s for s in systems}
     kinds: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    frames_of: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    frames_of: dict[tuple[str, str], collections.Counter[str]] = collections.defaultdict(collections.Counter)
     ranks: dict[str, set[str]] = collections.defaultdict(set)
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -120,13 +129,13 @@ def summarise(raw: Path, systems: list[str], steps: int, detail: list[str]) -> l
         kind = kind_of(below)
         kinds[system][kind] += int(count)
         ranks[system].add(frames[1].split(":")[0])
-        if kind == "gradsync bookkeeping":
+        if kind in ("gradsync bookkeeping", "wait"):
             ours = [re.sub(r":\d+\)", ")", f) for f in below if GRADSYNC_FRAME.search(f)]
-            top = [f for f in ours if not f.startswith(CONTAINERS)][:2] or ours[-1:]
-            frames_of[system][" > ".join(top)] += int(count)
-    ms = 1000 / RATE
+            top = [f for f in ours if not f.startswith(CONTAINERS)][:2] or ours[-1:] or ["(torch's own)"]
+            frames_of[system, kind][" > ".join(top)] += int(count)
+    ms = 1000 / rate
     lines = [
-        f"ms per rank and step ({RATE} Hz samples with idle time, {steps} interleaved steps; each ratio is "
+        f"ms per rank and step ({rate} Hz samples with idle time, {steps} interleaved steps; each ratio is "
         "the total over the floor's)",
         "",
         "| system | total | " + " | ".join(KINDS) + " |",
@@ -140,9 +149,10 @@ def summarise(raw: Path, systems: list[str], steps: int, detail: list[str]) -> l
         cells = " | ".join(f"{kinds[system][k] / per_step[system] * ms:.1f}" for k in KINDS)
         lines.append(f"| {system} | {total * ms:.1f}{ratio} | {cells} |")
     for system in detail:
-        lines += ["", f"{system}: bookkeeping by frame, ms per rank and step"]
-        for frame, samples in frames_of[system].most_common(10):
-            lines.append(f"  {samples / per_step[system] * ms:6.2f}  {frame[:160]}")
+        for kind, top in (("gradsync bookkeeping", 10), ("wait", 5)):
+            lines += ["", f"{system}: {kind.removeprefix('gradsync ')} by frame, ms per rank and step"]
+            for frame, samples in frames_of[system, kind].most_common(top):
+                lines.append(f"  {samples / per_step[system] * ms:6.2f}  {frame[:160]}")
     return lines
 
 
@@ -152,11 +162,14 @@ def main() -> None:
     )
     parser.add_argument("--systems", nargs="+", default=SYSTEMS)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--detail", nargs="*", default=[], help="systems whose bookkeeping to list by frame")
+    parser.add_argument("--model", choices=["launch", "gpt"], default="launch")
+    parser.add_argument(
+        "--detail", nargs="*", default=[], help="systems whose bookkeeping and waits to list by frame"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.systems, args.steps)
+        worker(args.systems, args.steps, args.model)
         return
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
@@ -164,14 +177,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "samples.txt"
         job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]
-        job += ["--worker", "--steps", str(args.steps), "--systems", *args.systems]
+        job += ["--worker", "--steps", str(args.steps), "--model", args.model, "--systems", *args.systems]
         record = [
             spy,
             "record",
             "--idle",
             "--subprocesses",
             "-r",
-            str(RATE),
+            str(RATES[args.model]),
             "-f",
             "raw",
             "-o",
@@ -179,7 +192,7 @@ def main() -> None:
             "--",
         ]
         subprocess.run([*record, *job], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        print("\n".join(summarise(raw, args.systems, args.steps, args.detail)))
+        print("\n".join(summarise(raw, args.systems, args.steps, args.detail, RATES[args.model])))
 
 
 if __name__ == "__main__":

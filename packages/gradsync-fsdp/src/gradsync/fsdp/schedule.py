@@ -258,7 +258,10 @@ class ReduceSchedule:
         is reopened too: another rank may have grads for it). Then the groups that got grads after their
         reduction launched in this backward are reduced again, in bucket order: every rank runs the same
         backwards through a module (as torch FSDP2 requires), so every rank relaunches the same groups.
-        Then every reduction is waited."""
+        ZeRO-2/3 then wait for every reduction: the next backward's grads go into the same unreduced
+        buffers. no_shard's and ZeRO-1's stay in flight: ``finish_grad_sync()`` posts the step's vote
+        before it waits for them, so the vote's round trip hides behind the last reduction instead of
+        following it (a grad that arrives before then waits for them first: :meth:`_open`)."""
         self._refuse_after_step()  # before any collective, on every rank (those with grads raised already)
         for bucket in self.buckets:
             if not bucket.spec.requires_grad or bucket.bucket_id in self._completed:
@@ -275,7 +278,8 @@ class ReduceSchedule:
         self._completed.clear()
         self._launched.clear()
         self._next_launch = 0
-        self.wait_all()
+        if self.sharding.shard_grads:
+            self.wait_all()
 
     def _refuse_after_step(self) -> None:
         if self.steps.grads_consumed:
