@@ -10,6 +10,12 @@ ratio to torch DDP over every round; ``--json`` writes them for bench.py.
     python benchmarks/bench_ab.py [--steps 20] [--bucket-mb 4] [--repeats 1] [--systems ...]
 
 A system named ``<system>+telemetry`` runs with communication telemetry recording (its overhead).
+
+``--phases`` runs one more job that also times each step's parts (bench_worker.PHASES; DeepSpeed's steps are
+not split) and prints each system's median per part over every round and rank beside the floor's: where a
+system's time over the floor goes, with no sampler slowing the 2-core machine. torch DDP and FSDP2 reduce
+inside the backward, so their waits fall in it; gradsync's last reductions are waited in
+``finalize_model_grads``.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ def with_telemetry(step: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 def interleaved(args: argparse.Namespace) -> None:
     """The torchrun worker: build every system, time their steps in turn; rank 0 prints the medians (JSON)."""
+    import bench_worker
     import torch
     import torch.distributed as dist
     from bench_worker import build
@@ -92,19 +99,30 @@ def interleaved(args: argparse.Namespace) -> None:
     per_step = args.batch_per_rank * world
     batches = [local_rows(corpus.batch(i, per_step, 128), rank, world) for i in range(warmup + args.steps)]
     times = torch.zeros(args.steps, len(args.systems), dtype=torch.float64)
+    parts = torch.zeros(args.steps, len(args.systems), len(bench_worker.PHASES), dtype=torch.float64)
     for index, tokens in enumerate(batches):
         # each round starts one system further on, so none always runs right after the same other one
         turn = index % len(args.systems)
         for column in [*range(turn, len(args.systems)), *range(turn)]:
             dist.barrier()
+            bench_worker.phase_marks = [] if args.phases else None
             start = time.perf_counter()
             steps[args.systems[column]](tokens)
             if index >= warmup:
                 times[index - warmup, column] = time.perf_counter() - start
+                marks = bench_worker.phase_marks or []
+                if len(marks) == len(bench_worker.PHASES) + 1:
+                    parts[index - warmup, column] = torch.tensor(marks, dtype=torch.float64).diff()
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # in each step the slowest rank sets the pace
+    every_rank = [torch.zeros_like(parts) for _ in range(world)]
+    dist.all_gather(every_rank, parts)
     if rank == 0:
         rounds = dict(zip(args.systems, times.t().tolist(), strict=True))
         print("RESULT " + json.dumps(rounds), flush=True)
+        if args.phases:  # per system and part, the median over every round and rank
+            medians = torch.cat(every_rank).median(dim=0).values
+            by_system = dict(zip(args.systems, medians.tolist(), strict=True))
+            print("PHASES " + json.dumps({"parts": bench_worker.PHASES, "median_s": by_system}), flush=True)
     dist.destroy_process_group()
 
 
@@ -112,8 +130,10 @@ Rounds = dict[str, list[float]]
 """One job's step times (s) per system, round by round: a round runs one step of every system."""
 
 
-def run_repeats(args: argparse.Namespace, bucket_mb: int) -> list[Rounds]:
-    """``args.repeats`` interleaved jobs in fresh processes: per repeat, each system's step times."""
+def run_repeats(args: argparse.Namespace, bucket_mb: int, phases: bool = False) -> list[Any]:
+    """``args.repeats`` interleaved jobs in fresh processes: per repeat, each system's step times
+    (:data:`Rounds`). With ``phases``, one job whose result is each system's median time per part of a step
+    instead (:func:`phase_table`)."""
     env = {
         **os.environ,
         "DS_ACCELERATOR": "cpu",
@@ -126,18 +146,40 @@ def run_repeats(args: argparse.Namespace, bucket_mb: int) -> list[Rounds]:
         *("--batch-per-rank", str(args.batch_per_rank)),
         *("--systems", *args.systems),
     ]
+    if phases:
+        return [result_of([*command, "--phases"], env, tag="PHASES")]
     return [result_of(command, env) for _ in range(args.repeats)]
 
 
-def result_of(command: list[str], env: dict[str, str]) -> Any:
-    """Run a torchrun job; the JSON its rank 0 printed last on a ``RESULT`` line."""
+def result_of(command: list[str], env: dict[str, str], tag: str = "RESULT") -> Any:
+    """Run a torchrun job; the JSON its rank 0 printed last on a line starting with ``tag``."""
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(f"{tag} ")]
     if done.returncode != 0 or not lines:
         raise SystemExit(
             f"torchrun job failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
         )
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return json.loads(lines[-1].removeprefix(f"{tag} "))
+
+
+def phase_table(result: dict[str, Any]) -> list[str]:
+    """Each system's median ms per part of a step, and what each part costs over the floor's."""
+    names: list[str] = result["parts"]
+    phases: dict[str, list[float]] = result["median_s"]
+    floor = phases["floor"]
+    lines = [
+        "| system | " + " | ".join(names) + " | parts' sum | over the floor, by part |",
+        "|---|" + "---|" * (len(names) + 2),
+    ]
+    for system, parts in phases.items():
+        if not any(parts):
+            continue  # a step not split into parts
+        over = ", ".join(
+            f"{name} {1e3 * (mine - base):+.1f}" for name, mine, base in zip(names, parts, floor, strict=True)
+        )
+        cells = " | ".join(f"{1e3 * part:.1f}" for part in parts)
+        lines.append(f"| {system} | {cells} | {1e3 * sum(parts):.1f} | {over if system != 'floor' else ''} |")
+    return lines
 
 
 def paired_ratio(rounds: Rounds, system: str, reference: str) -> float:
@@ -217,6 +259,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS)
     parser.add_argument("--json", type=Path, help="write {bucket_mb: summary} here")
+    parser.add_argument("--phases", action="store_true", help="also time each step's parts (one more job)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -237,6 +280,10 @@ def main() -> None:
             f"repeat(s) (gradsync-ddp {ddp_version}, gradsync-fsdp {fsdp_version}, commit {commit()})\n"
         )
         print("\n".join(table(summary)), flush=True)
+        if args.phases:
+            (phases,) = run_repeats(args, bucket_mb, phases=True)
+            print("\nms per part of a step, median over every round and rank of one more job:\n")
+            print("\n".join(phase_table(phases)), flush=True)
     if args.json:
         args.json.write_text(json.dumps(summaries, indent=1))
 

@@ -29,6 +29,20 @@ Step = Callable[[torch.Tensor], torch.Tensor]
 returns once issued (bench_launch.py times that apart from the GPU's own time)."""
 
 
+PHASES = ("zero", "forward", "backward", "grad sync", "optimizer")
+"""The parts of a step ``bench_ab.py --phases`` times: zeroing the grads, the forward with the loss, the
+backward (torch DDP and FSDP2 reduce inside it, and wait there), ``finalize_model_grads`` (gradsync's
+exposed reductions; nothing for the others) and the optimizer step."""
+
+phase_marks: list[float] | None = None
+"""Set to a list, each step appends the time at its start and at the end of each of its ``PHASES``."""
+
+
+def mark() -> None:
+    if phase_marks is not None:
+        phase_marks.append(time.perf_counter())
+
+
 def bytes_written() -> int:
     """Bytes this process has handed to write()/writev(): on gloo over TCP, what it put on the wire."""
     fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
@@ -43,10 +57,16 @@ def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Step:
     """The floor, torch DDP and FSDP2: the wrapper's hooks do the communication inside backward."""
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
+        mark()
         optimizer.zero_grad()
+        mark()
         loss = loss_of(model, tokens)
+        mark()
         loss.backward()  # type: ignore[no-untyped-call]
+        mark()
+        mark()  # no grad sync outside the backward
         optimizer.step()
+        mark()
         return loss.detach()
 
     return step
@@ -108,12 +128,18 @@ def gradsync_step(system: str, model: nn.Module, lr: float, bucket_elements: int
         )
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
+        mark()
         wrapped.optimizer.zero_grad()
         wrapped.model.zero_grad_buffer()
+        mark()
         loss = loss_of(wrapped.model, tokens)
+        mark()
         loss.backward()  # type: ignore[no-untyped-call]
+        mark()
         finalize_model_grads([wrapped.model], pg_collection=groups)
+        mark()
         wrapped.optimizer.step()
+        mark()
         return loss.detach()
 
     return step
