@@ -72,7 +72,9 @@ def worker(systems: list[str], steps: int, model: str) -> None:
 
     device = bench_launch.join_ranks("cpu")
     if model == "gpt":  # bench_ab.py's side-by-side model and buckets
-        cfg = bench_launch.GPTConfig(seq_len=128, d_model=256, n_head=8, n_layer=6)
+        from toygpt.model import GPTConfig
+
+        cfg = GPTConfig(seq_len=128, d_model=256, n_head=8, n_layer=6)
         preset, bucket_mb = bench_launch.Preset(cfg, batch=8), 4
     else:
         preset, bucket_mb = bench_launch.PRESETS["launch"], 25
@@ -149,9 +151,9 @@ def summarise(raw: Path, systems: list[str], steps: int, detail: list[str], rate
         cells = " | ".join(f"{kinds[system][k] / per_step[system] * ms:.1f}" for k in KINDS)
         lines.append(f"| {system} | {total * ms:.1f}{ratio} | {cells} |")
     for system in detail:
-        for kind, top in (("gradsync bookkeeping", 10), ("wait", 5)):
+        for kind, shown in (("gradsync bookkeeping", 10), ("wait", 5)):
             lines += ["", f"{system}: {kind.removeprefix('gradsync ')} by frame, ms per rank and step"]
-            for frame, samples in frames_of[system, kind].most_common(top):
+            for frame, samples in frames_of[system, kind].most_common(shown):
                 lines.append(f"  {samples / per_step[system] * ms:6.2f}  {frame[:160]}")
     return lines
 
