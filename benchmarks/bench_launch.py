@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE.parent / "integration"))  # the toy GPT (and train.p
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from bench import machine  # noqa: E402
-from bench_ab import commit, result_of  # noqa: E402
+from bench_ab import commit, median_interval, result_of  # noqa: E402
 from bench_worker import Step, fsdp2_step, gradsync_step  # noqa: E402
 from bench_worker import build as build_fp32  # noqa: E402
 from toygpt.model import GPTConfig, GPTStage  # noqa: E402
@@ -60,6 +60,17 @@ SYSTEMS = [
     "torch-fsdp2",
     "gradsync-fsdp2",
 ]
+
+
+TWINS = {
+    "gradsync-fsdp-no_shard": "gradsync-ddp+overlap",
+    "gradsync-fsdp-optim": "gradsync-ddp+distopt",
+    "gradsync-fsdp-optim_grads": "gradsync-ddp+distopt",
+    "gradsync-fsdp-optim_grads_params": "torch-fsdp2",
+    "gradsync-fsdp2": "gradsync-fsdp-optim_grads_params",
+}
+"""Each gradsync-fsdp system's yardstick: its gradsync-ddp twin, torch FSDP2 for ZeRO-3, and the ZeRO-3 it
+builds for the FSDP2-style API."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +158,9 @@ def worker(args: argparse.Namespace) -> None:
     medians = [[statistics.median(host[s]), statistics.median(total[s])] for s in args.systems]
     slowest = torch.tensor(medians, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    by_step = torch.tensor([host[s] for s in args.systems], dtype=torch.float64, device=device)
+    dist.all_reduce(by_step, op=dist.ReduceOp.MAX)  # each step's slowest rank
+    steps_of = dict(zip(args.systems, by_step.tolist(), strict=True))
     if rank == 0:
         with torch.device("meta"):
             params = list(GPTStage(preset.cfg).parameters())
@@ -161,9 +175,35 @@ def worker(args: argparse.Namespace) -> None:
             "elements": sum(p.numel() for p in params),
             "units": preset.cfg.n_layer + 1,
             "times": dict(zip(args.systems, slowest.tolist(), strict=True)),
+            "twins": {
+                system: [twin, *twin_ratio(steps_of[system], steps_of[twin])]
+                for system, twin in TWINS.items()
+                if system in steps_of and twin in steps_of
+            },
         }
         print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
+
+
+def twin_ratio(mine: list[float], theirs: list[float]) -> tuple[float, float, float]:
+    """The median over steps of the ratio of two systems' host times in the same step (the machine's speed
+    drifts between steps; both steps of a pair run within milliseconds), with its 95 % interval."""
+    ratios = [a / b for a, b in zip(mine, theirs, strict=True)]
+    return (statistics.median(ratios), *median_interval(ratios))
+
+
+def twins_table(result: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        "each gradsync-fsdp system against its yardstick, step by step (the median over steps of the ratio "
+        "of host times within a step, with its 95 % interval):",
+        "",
+        "| system | yardstick | host / yardstick's | 95 % interval |",
+        "|---|---|---|---|",
+    ]
+    for system, (twin, ratio, low, high) in result["twins"].items():
+        lines.append(f"| {system} | {twin} | {ratio:.3f} | {low:.3f}-{high:.3f} |")
+    return lines
 
 
 def run_job(args: argparse.Namespace, model: str, world: int) -> dict[str, Any]:
@@ -256,7 +296,10 @@ def main() -> None:
                 print(f"\n{model} on {world} rank(s) failed: {failure}", flush=True)
                 failed.append(f"{model} on {world} rank(s)")
                 continue
-            print("\n".join([*heading(model, result, world, args), "", *table(result, cuda)]), flush=True)
+            lines = [*heading(model, result, world, args), "", *table(result, cuda)]
+            if result["twins"]:
+                lines += twins_table(result)
+            print("\n".join(lines), flush=True)
             ddp = result["times"]["torch-ddp"][1]
             over_ddp[model] = {system: step / ddp for system, (_, step) in result["times"].items()}
         if len(over_ddp) > 1:
