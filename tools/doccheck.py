@@ -125,6 +125,8 @@ CLIS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"plot_trace\.py", ("benchmarks/plot_trace.py",)),
     (r"bench_ragged_dispatch\.py", ("benchmarks/bench_ragged_dispatch.py",)),
     (r"bench_fault_tolerance\.py", ("benchmarks/bench_fault_tolerance.py",)),
+    (r"bench_launch\.py|nox -s bench-launch\b", ("benchmarks/bench_launch.py",)),
+    (r"profile_launch\.py", ("benchmarks/profile_launch.py",)),
     (r"bench_ddp\.py|nox -s bench-(?:ddp|overhead)\b", ("packages/gradsync-ddp/benchmarks/bench_ddp.py",)),
     (
         r"bench_collectives\.py|nox -s bench-buffers\b",

@@ -102,8 +102,8 @@ PLANTS = [
     ("docs/planner.md", "The α-β form fits", "This session, the α-β form fits", "says 'This session'"),
     (
         "docs/performance.md",
-        "Against each strategy's twin in the same job",
-        "Against the issue's twin of each strategy",
+        "The command then sets each gradsync-fsdp system against its yardstick",
+        "The command then sets each gradsync-fsdp system against the issue's yardstick",
         'says "the issue\'s"',
     ),
     (

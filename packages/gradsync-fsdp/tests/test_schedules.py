@@ -236,3 +236,44 @@ def test_reductions_launch_during_the_backward_as_buckets_complete() -> None:
     ):
         for early, total in counts:
             assert 0 < early < total, (rank, counts)
+
+
+def reductions_in_flight_at_the_vote(strategy: str) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """For two steps: how many reductions were still in flight when ``finish_grad_sync()`` posted the step's
+    vote; and the weights the steps trained."""
+    trainer = Trainer.build(strategy)
+    model, rank, world = trainer.model, dist.get_rank(), dist.get_world_size()
+    reductions, ballot = model._hooks.reductions, model.steps.ballot
+    post = ballot.post
+    at_vote: list[int] = []
+
+    def counted() -> Any:
+        at_vote.append(len(reductions.in_flight))
+        return post()
+
+    ballot.post = counted  # type: ignore[method-assign]
+    for step in range(2):
+        model.zero_grad_buffer()
+        trainer.optimizer.zero_grad()
+        model(local_microbatches(step, rank, world, 1)[0]).backward()
+        model.finish_grad_sync()
+        trainer.optimizer.step()
+        model.install_optimized_model_weights()
+    return at_vote, full_weights(model)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_vote_goes_out_before_the_last_reduction_is_waited(strategy: str) -> None:
+    """no_shard and ZeRO-1 wait for the backward's reductions in ``finish_grad_sync()``, after the step's
+    vote is posted, so its round trip overlaps theirs; ZeRO-2/3 wait at the backward's end, as the next
+    backward adds into the same unreduced buffers. Training matches one process either way."""
+    want = reference_training(2, 1, 2)
+    for rank, (at_vote, weights) in enumerate(
+        run_distributed(reductions_in_flight_at_the_vote, 2, args=(strategy,))
+    ):
+        if strategy in ("no_shard", "optim"):
+            assert len(at_vote) == 2, (rank, at_vote)
+            assert all(count > 0 for count in at_vote), (rank, at_vote)
+        else:
+            assert at_vote == [0, 0], rank
+        assert max_relative_difference(weights, want) <= 1e-6, rank
