@@ -143,7 +143,10 @@ def worker(args: argparse.Namespace) -> None:
     host: dict[str, list[float]] = {system: [] for system in args.systems}
     total: dict[str, list[float]] = {system: [] for system in args.systems}
     for index, tokens in enumerate(batches):
-        for system in args.systems:
+        # each round starts one system further on (as bench_ab.py's), so no pair always has the same
+        # systems between its two steps
+        turn = index % len(args.systems)
+        for system in [*args.systems[turn:], *args.systems[:turn]]:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dist.barrier()  # nothing in flight on any rank when a step starts
@@ -186,8 +189,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def twin_ratio(mine: list[float], theirs: list[float]) -> tuple[float, float, float]:
-    """The median over steps of the ratio of two systems' host times in the same step (the machine's speed
-    drifts between steps; both steps of a pair run within milliseconds), with its 95 % interval."""
+    """The median over rounds of the ratio of two systems' host times in the same round (the machine's
+    speed drifts between rounds; within one, the two steps run less than a round apart, and the rotating
+    order puts different systems between them), with its 95 % interval."""
     ratios = [a / b for a, b in zip(mine, theirs, strict=True)]
     return (statistics.median(ratios), *median_interval(ratios))
 
