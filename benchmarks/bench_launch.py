@@ -199,8 +199,8 @@ def twin_ratio(mine: list[float], theirs: list[float]) -> tuple[float, float, fl
 def twins_table(result: dict[str, Any]) -> list[str]:
     lines = [
         "",
-        "each gradsync-fsdp system against its yardstick, step by step (the median over steps of the ratio "
-        "of host times within a step, with its 95 % interval):",
+        "each gradsync-fsdp system against its yardstick, round by round (the median over rounds of the "
+        "ratio of host times within a round, with its 95 % interval):",
         "",
         "| system | yardstick | host / yardstick's | 95 % interval |",
         "|---|---|---|---|",

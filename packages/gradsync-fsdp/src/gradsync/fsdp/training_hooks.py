@@ -239,9 +239,9 @@ class TrainingHooks:
         self.backward_ended()
 
     def end_backward(self) -> None:
-        """End of the backward: buckets some param of which got no grad on this rank complete (their
-        reductions left in flight for ``finish_grad_sync()``: :meth:`ReduceSchedule.end_backward`), and
-        ZeRO-3 drops every gathered weight."""
+        """End of the backward: buckets some param of which got no grad on this rank complete
+        (:meth:`ReduceSchedule.end_backward`: no_shard's and ZeRO-1's reductions are left in flight for
+        ``finish_grad_sync()``), and ZeRO-3 drops every gathered weight."""
         for unit_id in range(len(self.units)):
             self.take_unit_grads(unit_id)
         self.reductions.end_backward()
